@@ -1,0 +1,1 @@
+"""Checkpoint formats: Hugging Face safetensors (streamed) and orbax, and the model loader."""

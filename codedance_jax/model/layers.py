@@ -1,0 +1,76 @@
+"""Small NNX building blocks shared by both towers: parameters with logical axes, RMSNorm, SwiGLU.
+
+Every parameter carries logical axis names (`sharding_names` metadata); `codedance_jax.sharding`
+maps them to mesh axes with one rules table. Mesh axis names never appear in model code.
+Parameters are created with eager sharding off so that the same module builds on one CPU, under
+`nnx.eval_shape`, or inside a sharded `jit` initialiser.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def param(rngs: nnx.Rngs | None, shape, axes: tuple[str | None, ...], dtype, init: str = "normal") -> nnx.Param:
+    """A parameter of `shape` with logical `axes`; random init uses N(0, 0.02) like the reference."""
+    assert len(axes) == len(shape), (shape, axes)
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, sharding_names=tuple(axes), eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm computed in float32; the scale multiplies after casting back, as the reference does."""
+
+    def __init__(self, dim: int, eps: float, axis_name: str, *, dtype, rngs: nnx.Rngs | None = None):
+        self.scale = param(rngs, (dim,), (axis_name,), dtype, init="ones")
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        var = jnp.mean(xf * xf, axis=-1, keepdims=True)
+        y = (xf * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
+        return self.scale[...].astype(x.dtype) * y
+
+
+class Dense(nnx.Module):
+    """y = x @ W (+ b) with W stored as [in, out] (the transpose of torch's Linear)."""
+
+    def __init__(self, d_in: int, d_out: int, axes: tuple[str, str], *, bias: bool, dtype, rngs: nnx.Rngs):
+        self.kernel = param(rngs, (d_in, d_out), axes, dtype)
+        self.bias = param(rngs, (d_out,), (axes[1],), dtype, init="zeros") if bias else None
+
+    def __call__(self, x):
+        y = jnp.einsum("...i,io->...o", x, self.kernel[...].astype(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(x.dtype)
+        return y
+
+
+class SwiGLU(nnx.Module):
+    """down(silu(gate(x)) * up(x)); the vision tower's variant has biases."""
+
+    def __init__(self, d: int, f: int, axes: tuple[str, str], *, bias: bool, dtype, rngs: nnx.Rngs):
+        self.gate = Dense(d, f, axes, bias=bias, dtype=dtype, rngs=rngs)
+        self.up = Dense(d, f, axes, bias=bias, dtype=dtype, rngs=rngs)
+        self.down = Dense(f, d, (axes[1], axes[0]), bias=bias, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+def remat_policy(name: str):
+    """Rematerialization policies selectable from the config."""
+    if name == "none":
+        return None
+    if name == "full":
+        return jax.checkpoint_policies.nothing_saveable
+    if name == "dots":
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    raise ValueError(f"model.remat={name!r}: choose one of 'none', 'full', 'dots'.")

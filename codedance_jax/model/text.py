@@ -1,0 +1,82 @@
+"""The Qwen2 decoder of Qwen2.5-VL: GQA attention with q/k/v biases, RMSNorm, SwiGLU, M-RoPE.
+
+One attention code path serves the full forward and every cache step. With a cache, a chunk of
+C tokens (a prompt, one decoded token, or an observation appended mid-trajectory) is written at
+slots [index, index + C) of a static [B, S] cache; a query at slot s sees the valid slots <= s.
+Validity is per slot, so left padding, sequences that sit out a step, and ragged chunks all
+leave holes that nobody attends to. Positions are explicit M-RoPE ids, not slot numbers.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from codedance_jax.model import rope
+from codedance_jax.model.config import TextConfig
+from codedance_jax.model.layers import RMSNorm, SwiGLU, param
+
+NEG_INF = -1e30
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs):
+        d, n, k, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_kernel = param(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), dtype)
+        self.q_bias = param(rngs, (n, h), ("q_heads", "head_dim"), dtype, init="zeros")
+        self.k_kernel = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), dtype)
+        self.k_bias = param(rngs, (k, h), ("kv_heads", "head_dim"), dtype, init="zeros")
+        self.v_kernel = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), dtype)
+        self.v_bias = param(rngs, (k, h), ("kv_heads", "head_dim"), dtype, init="zeros")
+        self.o_kernel = param(rngs, (n, h, d), ("q_heads", "head_dim", "embed"), dtype)
+        self.groups = n // k
+        self.scale = h**-0.5
+
+    def __call__(self, x_btd, cos_bth, sin_bth, mask_bts, kv_cache=None, index=None):
+        """Returns (out [B, T, D], (k, v)); with kv_cache=(k [B,S,K,H], v) the chunk is written at `index`."""
+        dt = x_btd.dtype
+        q = jnp.einsum("btd,dnh->btnh", x_btd, self.q_kernel[...].astype(dt)) + self.q_bias[...].astype(dt)
+        k = jnp.einsum("btd,dkh->btkh", x_btd, self.k_kernel[...].astype(dt)) + self.k_bias[...].astype(dt)
+        v = jnp.einsum("btd,dkh->btkh", x_btd, self.v_kernel[...].astype(dt)) + self.v_bias[...].astype(dt)
+        cos, sin = cos_bth[:, :, None], sin_bth[:, :, None]
+        q, k = rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            ck, cv = kv_cache
+            k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, index, 0, 0))
+            v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, index, 0, 0))
+        b, t, n, h = q.shape
+        qg = q.reshape(b, t, n // self.groups, self.groups, h)  # [B, T, K, G, H]
+        logits = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(dt)).astype(jnp.float32) * self.scale
+        logits = jnp.where(mask_bts[:, None, None], logits, NEG_INF)
+        probs = jax.nn.softmax(logits, axis=-1).astype(dt)
+        o = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(dt)).reshape(b, t, n, h)
+        return jnp.einsum("btnh,nhd->btd", o, self.o_kernel[...].astype(dt)), (k, v)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", dtype=dtype)
+        self.attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", dtype=dtype)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, ("embed", "mlp"), bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, mask, kv_cache=None, index=None):
+        a, kv = self.attn(self.input_norm(x), cos, sin, mask, kv_cache, index)
+        x = x + a
+        return x + self.mlp(self.post_attn_norm(x)), kv
+
+
+def causal_mask(attention_mask_bt):
+    """bool[B, T, T]: causal and key-valid (left or right padding)."""
+    t = attention_mask_bt.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    return causal[None] & attention_mask_bt.astype(bool)[:, None, :]
+
+
+def cache_mask(valid_bs, index, chunk_len):
+    """bool[B, C, S]: chunk token c (at slot index + c) sees valid slots <= index + c."""
+    s = valid_bs.shape[1]
+    slot = jnp.arange(s)[None, :]
+    qslot = index + jnp.arange(chunk_len)[:, None]
+    return valid_bs[:, None, :] & (slot <= qslot)[None]

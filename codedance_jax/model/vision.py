@@ -1,0 +1,201 @@
+"""The Qwen2.5-VL vision tower: patch embedding, window/full attention blocks, patch merger.
+
+Layout. The reference reorders merged 2x2 units window by window and attends inside variable
+length windows through `cu_seqlens`. Here the host turns `image_grid_thw` into a `VisionPlan`
+(numpy) once, and the device sees static shapes: every window is padded to the full window size
+(`cfg.window_patches` patches), so window layers are one batched attention over
+[windows, window_patches] and full-attention layers (`fullatt_block_indexes`) attend over all
+patches with a per-image segment mask (images never attend to each other). After the merger, a
+gather undoes the window reordering and drops the padding, giving features in the order of the
+image placeholders. A plan can be padded to a bucket (`num_windows`, `num_units`) so that a
+rollout compiles once per bucket.
+
+Deviation: full-attention layers are dense over all patches of the call, O(P^2) memory. For
+many high-resolution images encode them in several calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from codedance_jax.model import rope
+from codedance_jax.model.config import VisionConfig
+from codedance_jax.model.layers import Dense, RMSNorm, SwiGLU, param, remat_policy
+
+NEG_INF = -1e30  # large finite: a fully masked (padding) row stays finite instead of NaN
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionPlan:
+    """Host-computed index arrays that place patches into padded windows (all numpy int32).
+
+    U = window_merged**2 merged units per window, Q = merge_unit patches per unit.
+      unit_src[W*U]: source merged-unit index of each padded slot, -1 for padding.
+      pos_hw[W*U*Q, 2]: (h, w) patch coordinates for the 2D rope (0 on padding).
+      image_id[W*U]: image of each slot, -1 for padding (segments of the full-attention layers).
+      out_index[N]: padded slot of each merged unit in placeholder order (N = total units).
+    """
+
+    unit_src: np.ndarray
+    pos_hw: np.ndarray
+    image_id: np.ndarray
+    out_index: np.ndarray
+    num_units: int  # real merged units (= image tokens); out_index may be padded beyond it
+
+
+def make_plan(grid_thw, cfg: VisionConfig, *, num_windows: int | None = None, num_units: int | None = None) -> VisionPlan:
+    """Builds the window layout for `grid_thw` int[I, 3]; optional bucket sizes pad it."""
+    grids = [tuple(int(x) for x in g) for g in np.asarray(grid_thw).reshape(-1, 3)]
+    m, wm, q = cfg.spatial_merge_size, cfg.window_merged, cfg.merge_unit
+    slots, pos, img = [], [], []
+    base = 0
+    for i, (gt, gh, gw) in enumerate(grids):
+        if gh % m or gw % m:
+            raise ValueError(f"image {i}: grid {(gt, gh, gw)} is not divisible by spatial_merge_size {m}")
+        lh, lw = gh // m, gw // m
+        # Patch coordinates of each unit, in the processor's unit-major order.
+        hh, ww = np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij")
+        blk = (lh, m, lw, m)
+        unit_h = hh.reshape(blk).transpose(0, 2, 1, 3).reshape(lh * lw, q)
+        unit_w = ww.reshape(blk).transpose(0, 2, 1, 3).reshape(lh * lw, q)
+        nwh, nww = -(-lh // wm), -(-lw // wm)
+        for t in range(gt):
+            for a in range(nwh):
+                for b in range(nww):
+                    rows = np.arange(a * wm, min((a + 1) * wm, lh))
+                    cols = np.arange(b * wm, min((b + 1) * wm, lw))
+                    units = (rows[:, None] * lw + cols[None, :]).reshape(-1)
+                    win = np.full(wm * wm, -1, np.int64)
+                    win[: len(units)] = base + t * lh * lw + units
+                    slots.append(win)
+                    p = np.zeros((wm * wm, q, 2), np.int64)
+                    p[: len(units), :, 0] = unit_h[units]
+                    p[: len(units), :, 1] = unit_w[units]
+                    pos.append(p)
+                    img.append(np.where(win >= 0, i, -1))
+        base += gt * lh * lw
+    w = len(slots)
+    if num_windows is not None:
+        if num_windows < w:
+            raise ValueError(f"vision bucket of {num_windows} windows is smaller than the {w} windows needed")
+        for _ in range(num_windows - w):
+            slots.append(np.full(wm * wm, -1, np.int64))
+            pos.append(np.zeros((wm * wm, q, 2), np.int64))
+            img.append(np.full(wm * wm, -1, np.int64))
+    unit_src = np.concatenate(slots) if slots else np.zeros((0,), np.int64)
+    out_index = np.zeros((base,), np.int64)
+    valid = np.nonzero(unit_src >= 0)[0]
+    out_index[unit_src[valid]] = valid
+    if num_units is not None:
+        if num_units < base:
+            raise ValueError(f"vision bucket of {num_units} image tokens is smaller than the {base} needed")
+        out_index = np.concatenate([out_index, np.zeros(num_units - base, np.int64)])
+    return VisionPlan(
+        unit_src=unit_src.astype(np.int32),
+        pos_hw=(np.concatenate(pos).reshape(-1, 2) if pos else np.zeros((0, 2))).astype(np.int32),
+        image_id=(np.concatenate(img) if img else np.zeros((0,))).astype(np.int32),
+        out_index=out_index.astype(np.int32),
+        num_units=base,
+    )
+
+
+def attention(q, k, v, mask, scale):
+    """q, k, v: [G, S, N, H]; mask bool[G, S, S]. Softmax in float32."""
+    logits = jnp.einsum("gsnh,gtnh->gnst", q, k).astype(jnp.float32) * scale
+    logits = jnp.where(mask[:, None], logits, NEG_INF)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum("gnst,gtnh->gsnh", probs, v)
+
+
+class VisionAttention(nnx.Module):
+    def __init__(self, cfg: VisionConfig, *, dtype, rngs: nnx.Rngs):
+        d, n, h = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+        self.qkv_kernel = param(rngs, (d, 3, n, h), ("vision_embed", None, "vision_heads", "head_dim"), dtype)
+        self.qkv_bias = param(rngs, (3, n, h), (None, "vision_heads", "head_dim"), dtype, init="zeros")
+        self.out_kernel = param(rngs, (n, h, d), ("vision_heads", "head_dim", "vision_embed"), dtype)
+        self.out_bias = param(rngs, (d,), ("vision_embed",), dtype, init="zeros")
+        self.scale = h**-0.5
+
+    def __call__(self, x_gsd, cos_gsh, sin_gsh, mask_gss):
+        qkv = jnp.einsum("gsd,dcnh->cgsnh", x_gsd, self.qkv_kernel[...].astype(x_gsd.dtype))
+        qkv = qkv + self.qkv_bias[...].astype(x_gsd.dtype)[:, None, None]
+        cos, sin = cos_gsh[:, :, None], sin_gsh[:, :, None]
+        q = rope.apply_rope(qkv[0], cos, sin)
+        k = rope.apply_rope(qkv[1], cos, sin)
+        o = attention(q, k, qkv[2], mask_gss, self.scale)
+        return jnp.einsum("gsnh,nhd->gsd", o, self.out_kernel[...].astype(o.dtype)) + self.out_bias[...].astype(o.dtype)
+
+
+class VisionBlock(nnx.Module):
+    def __init__(self, cfg: VisionConfig, *, dtype, rngs: nnx.Rngs):
+        self.norm1 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "vision_embed", dtype=dtype)
+        self.attn = VisionAttention(cfg, dtype=dtype, rngs=rngs)
+        self.norm2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "vision_embed", dtype=dtype)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, ("vision_embed", "vision_mlp"), bias=True, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, mask):
+        x = x + self.attn(self.norm1(x), cos, sin, mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nnx.Module):
+    def __init__(self, cfg: VisionConfig, *, dtype, rngs: nnx.Rngs):
+        d4 = cfg.hidden_size * cfg.merge_unit
+        self.norm = RMSNorm(cfg.hidden_size, 1e-6, "vision_embed", dtype=dtype)
+        self.fc1 = Dense(d4, d4, ("vision_merged", "vision_merged_out"), bias=True, dtype=dtype, rngs=rngs)
+        self.fc2 = Dense(d4, cfg.out_hidden_size, ("vision_merged_out", "embed"), bias=True, dtype=dtype, rngs=rngs)
+        self.q = cfg.merge_unit
+
+    def __call__(self, x_pd):
+        x = self.norm(x_pd).reshape(-1, self.q * x_pd.shape[-1])  # [units, Q*Dv]
+        # The reference uses exact (erf) GELU here.
+        return self.fc2(jax.nn.gelu(self.fc1(x), approximate=False))
+
+
+class VisionTower(nnx.Module):
+    def __init__(self, cfg: VisionConfig, *, dtype, remat: str = "none", rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.patch_embed = param(rngs, (cfg.patch_dim, cfg.hidden_size), ("patch", "vision_embed"), dtype)
+        self.blocks = nnx.List([VisionBlock(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.depth)])
+        self.merger = PatchMerger(cfg, dtype=dtype, rngs=rngs)
+        self.remat = remat
+
+    def __call__(self, pixel_values, unit_src, pos_hw, image_id, out_index, *, dtype=jnp.float32):
+        """pixel_values [P, patch_dim] in placeholder order; plan arrays from `make_plan`.
+
+        Returns float[N, D]: one feature per image placeholder token (N = len(out_index)).
+        """
+        cfg = self.cfg
+        q, u = cfg.merge_unit, cfg.window_merged**2
+        units = pixel_values.reshape(-1, q, cfg.patch_dim)  # [units, Q, patch_dim]
+        valid_u = unit_src >= 0  # [W*U]
+        x = jnp.where(valid_u[:, None, None], units[jnp.maximum(unit_src, 0)], 0).reshape(-1, cfg.patch_dim)
+        x = jnp.einsum("pc,cd->pd", x.astype(dtype), self.patch_embed[...].astype(dtype))  # [S, Dv]
+        cos, sin = rope.vision_cos_sin(pos_hw, cfg.head_dim, cfg.rope_theta)  # [S, Hv]
+        s = x.shape[0]
+        w = s // (u * q)
+        valid_p = jnp.repeat(valid_u, q)  # [S]
+        img_p = jnp.repeat(image_id, q)
+        # Window layers: [W, U*Q] blocks with a key-validity mask.
+        win_valid = valid_p.reshape(w, u * q)
+        win_mask = win_valid[:, None, :] & win_valid[:, :, None]
+        # Full layers: one segment per image over all patches.
+        full_mask = ((img_p[:, None] == img_p[None, :]) & valid_p[None, :])[None]
+
+        def block_fn(blk, x, full):
+            if full:
+                return blk(x[None], cos[None], sin[None], full_mask)[0]
+            xw = blk(x.reshape(w, u * q, -1), cos.reshape(w, u * q, -1), sin.reshape(w, u * q, -1), win_mask)
+            return xw.reshape(s, -1)
+
+        if self.remat != "none":
+            block_fn = nnx.remat(block_fn, policy=remat_policy(self.remat), static_argnums=(2,))
+        for i, blk in enumerate(self.blocks):
+            x = block_fn(blk, x, i in cfg.fullatt_block_indexes)
+        merged = self.merger(x)  # [W*U, D]
+        return merged[out_index]
