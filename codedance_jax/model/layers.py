@@ -1,6 +1,6 @@
 """Small NNX building blocks shared by both towers: parameters with logical axes, RMSNorm, SwiGLU.
 
-Every parameter carries logical axis names (`sharding_names` metadata); `codedance_jax.sharding`
+Every parameter carries logical axis names (`out_sharding` metadata); `codedance_jax.sharding`
 maps them to mesh axes with one rules table. Mesh axis names never appear in model code.
 Parameters are created with eager sharding off so that the same module builds on one CPU, under
 `nnx.eval_shape`, or inside a sharded `jit` initialiser.
@@ -22,7 +22,7 @@ def param(rngs: nnx.Rngs | None, shape, axes: tuple[str | None, ...], dtype, ini
         value = jnp.zeros(shape, dtype)
     else:
         value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-    return nnx.Param(value, sharding_names=tuple(axes), eager_sharding=False)
+    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):

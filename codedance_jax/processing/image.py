@@ -317,8 +317,7 @@ def preprocess_image(image: Image.Image | np.ndarray, cfg: ImageConfig) -> tuple
         x = resize_chw(x, h, w, cfg.resample)
     elif x.shape[1] % cfg.factor or x.shape[2] % cfg.factor:
         raise ValueError(
-            f"do_resize is off but the image size {x.shape[1:]} is not a multiple of "
-            f"patch_size*merge_size={cfg.factor}"
+            f"do_resize is off but the image size {x.shape[1:]} is not a multiple of patch_size*merge_size={cfg.factor}"
         )
     if cfg.do_rescale:
         x = _rescale(x, cfg.rescale_factor)

@@ -156,7 +156,11 @@ class Processor:
         if got != expected:  # e.g. a placeholder glued to text the tokenizer merges differently
             raise ValueError(f"image token count mismatch between text ({expected}) and input_ids ({got})")
         batch = self.tokenizer.pad(
-            ids, padding=padding, max_length=max_length, pad_to_multiple_of=pad_to_multiple_of, padding_side=padding_side
+            ids,
+            padding=padding,
+            max_length=max_length,
+            pad_to_multiple_of=pad_to_multiple_of,
+            padding_side=padding_side,
         )
         out["input_ids"] = batch["input_ids"]
         out["attention_mask"] = batch["attention_mask"]

@@ -54,8 +54,6 @@ def _plain(value: Any) -> Any:
         return value
     if isinstance(value, str):
         return str.__str__(value)
-    if isinstance(value, bool):
-        return bool(value)
     if isinstance(value, int):
         return int.__int__(value)
     if isinstance(value, float):
@@ -162,7 +160,9 @@ class Tokenizer:
         side = padding_side or config.get("padding_side") or "right"
         if side not in ("left", "right"):
             raise ValueError(f"{cfg_file}: field 'padding_side' must be 'left' or 'right', got {side!r}")
-        extra = {n: os.path.join(path, n) for n in ("vocab.json", "merges.txt") if os.path.isfile(os.path.join(path, n))}
+        extra = {
+            n: os.path.join(path, n) for n in ("vocab.json", "merges.txt") if os.path.isfile(os.path.join(path, n))
+        }
         return cls(backend, config, _load_chat_template(path, config), side, extra)
 
     @staticmethod
@@ -266,15 +266,14 @@ class Tokenizer:
             target = max_length
         elif padding is False or padding == "do_not_pad":
             if len(set(lengths)) > 1:
-                raise ValueError(
-                    f"sequences have different lengths {lengths}; pass padding=True to return one array"
-                )
+                raise ValueError(f"sequences have different lengths {lengths}; pass padding=True to return one array")
             target = longest
         else:
             raise ValueError(f"padding must be True, False, 'longest' or 'max_length', got {padding!r}")
         if pad_to_multiple_of and padding is not False and target % pad_to_multiple_of:
             target = (target // pad_to_multiple_of + 1) * pad_to_multiple_of
-        input_ids = np.full((len(ids), target), self.pad_id if target > min(lengths, default=0) else 0, np.int64)
+        needs_pad = any(n < target for n in lengths)
+        input_ids = np.full((len(ids), target), self.pad_id if needs_pad else 0, np.int64)
         mask = np.zeros((len(ids), target), np.int64)
         for i, row in enumerate(ids):
             n = len(row)
