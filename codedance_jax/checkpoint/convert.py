@@ -1,0 +1,52 @@
+"""Checkpoint conversion in both directions (the library side of `launch.convert`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from codedance_jax import sharding as shd
+from codedance_jax.checkpoint import hf, orbax_io
+from codedance_jax.model.config import ModelConfig
+
+
+def _source_dtype(src: str) -> str:
+    if orbax_io.is_orbax_dir(src):
+        with open(os.path.join(src, orbax_io.MARKER)) as f:
+            return json.load(f).get("param_dtype", "float32")
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    dt = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    return {"bfloat16": "bfloat16", "float16": "float16"}.get(dt, "float32")
+
+
+def convert(src, dst, *, dtype: str | None = None, mesh: str | None = None, log=print) -> str:
+    """Converts `src` to the other format at `dst`; returns the direction taken."""
+    from codedance_jax.processing import Processor
+
+    src, dst = os.fspath(src), os.fspath(dst)
+    m = None
+    if mesh:
+        sizes = [int(x) for x in mesh.split(",")]
+        if len(sizes) != 3:
+            raise ValueError(f"--mesh={mesh!r}: give three sizes data,fsdp,tensor, e.g. 1,8,1")
+        m = shd.make_mesh(*sizes)
+    dtype = dtype or _source_dtype(src)
+    cfg = ModelConfig.from_hf_config(src).replace(param_dtype=dtype, dtype=dtype)
+    t0 = time.time()
+    proc = Processor.from_pretrained(src)
+    if orbax_io.is_orbax_dir(src):
+        model = orbax_io.load(src, cfg, mesh=m)
+        files = hf.export_hf(model, dst, proc)
+        direction = "orbax->hf"
+        log(f"wrote {len(files)} safetensors file(s) + config + tokenizer to {dst}")
+    elif hf.is_hf_dir(src):
+        model = hf.load_hf_model(src, cfg, mesh=m)
+        orbax_io.save(model, dst, proc)
+        direction = "hf->orbax"
+        log(f"wrote orbax params + config + tokenizer to {dst}")
+    else:
+        raise FileNotFoundError(f"{src}: neither a Hugging Face checkpoint (*.safetensors) nor a converted one ({orbax_io.MARKER}).")
+    log(f"{direction} in {time.time() - t0:.1f}s ({dtype})")
+    return direction

@@ -1,0 +1,73 @@
+"""The converted checkpoint format: orbax parameters plus the files that describe them.
+
+    DIR/config.json        the Hugging Face config (ModelConfig.from_hf_config reads it)
+    DIR/codedance.json     {"format": "codedance-orbax", "version": 1, "param_dtype": ...}
+    DIR/params/            orbax PyTree checkpoint of the NNX Param state (pure dict)
+    DIR/tokenizer*.json, preprocessor_config.json, chat template   (the processor)
+
+Restoring passes abstract arrays that carry their target shardings, so each device reads only
+its own shards and the model is never gathered on one device or one host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from codedance_jax import sharding as shd
+from codedance_jax.checkpoint.build import abstract_model
+from codedance_jax.model.config import ModelConfig
+from codedance_jax.model.qwen25vl import Qwen25VL
+
+MARKER = "codedance.json"
+FORMAT = "codedance-orbax"
+
+
+def is_orbax_dir(path) -> bool:
+    return os.path.exists(os.path.join(os.fspath(path), MARKER))
+
+
+def save(model: Qwen25VL, out_dir, processor=None) -> None:
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    os.makedirs(out_dir, exist_ok=True)
+    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.join(out_dir, "params"), pure, force=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(model.cfg.to_hf_config(), f, indent=2)
+    with open(os.path.join(out_dir, MARKER), "w") as f:
+        json.dump({"format": FORMAT, "version": 1, "param_dtype": model.cfg.param_dtype}, f)
+    if processor is not None:
+        processor.save_pretrained(out_dir)
+
+
+def load(path, cfg: ModelConfig | None = None, *, mesh: jax.sharding.Mesh | None = None, rules_table=None) -> Qwen25VL:
+    path = os.path.abspath(os.fspath(path))
+    with open(os.path.join(path, MARKER)) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}/{MARKER}: format {meta.get('format')!r} is not {FORMAT!r}")
+    params_dir = os.path.join(path, "params")
+    if not os.path.isdir(params_dir):
+        raise FileNotFoundError(f"{params_dir}: missing; the converted checkpoint is incomplete (re-run launch.convert).")
+    cfg = cfg or ModelConfig.from_hf_config(path).replace(param_dtype=meta.get("param_dtype", "float32"))
+    graphdef, state = abstract_model(cfg)
+
+    def target(var):
+        sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None else
+                    shd.named_sharding(mesh, var.get_metadata().get("out_sharding"), rules_table, var.shape))
+        return jax.ShapeDtypeStruct(var.shape, cfg.weight_dtype, sharding=sharding)
+
+    abstract = jax.tree.map(target, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    abstract_pure = nnx.to_pure_dict(nnx.state(nnx.merge(graphdef, abstract), nnx.Param))
+    with ocp.StandardCheckpointer() as ckptr:
+        try:
+            restored = ckptr.restore(params_dir, abstract_pure)
+        except ValueError as e:
+            raise ValueError(f"{params_dir}: does not match config.json ({e}); the config and params come from different models.") from e
+    nnx.replace_by_pure_dict(state, restored)
+    return nnx.merge(graphdef, state)

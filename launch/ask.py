@@ -1,0 +1,21 @@
+r"""Main job for now: random checkpoint -> orbax -> load -> answer a question about an image.
+
+  python -m launch.ask --workdir=/tmp/codedance_ask
+"""
+
+from absl import app, flags, logging
+
+from codedance_jax import quickstart
+
+flags.DEFINE_string("workdir", "/tmp/codedance_ask", "Where checkpoints, the image and summary.json go.")
+flags.DEFINE_string("question", "How many shapes are in this image?", "The question asked about the image.")
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)  # orbax logs every read at INFO
+    quickstart.run(flags.FLAGS.workdir, flags.FLAGS.question)
+
+
+if __name__ == "__main__":
+    app.run(main)
