@@ -73,7 +73,7 @@ def test_vision_tower_layer_parity(tiny_pair):
     rng = np.random.default_rng(15)
     grids = [(1, 10, 14), (1, 4, 4), (1, 8, 6)]
     pv = random_patches(rng, cfg, grids)
-    feats = np.asarray(ours.encode_images(VisionInputs.build(pv, np.array(grids), cfg)))
+    feats = np.asarray(ours.encode_images(VisionInputs.build(pv, np.array(grids), cfg)))[0]
     with torch.no_grad():
         want = ref.model.visual(torch.tensor(pv), grid_thw=torch.tensor(grids)).pooler_output.numpy()
     assert feats.shape == want.shape
@@ -88,10 +88,43 @@ def test_vision_plan_is_padding_invariant(tiny_pair):
     rng = np.random.default_rng(16)
     grids = np.array([(1, 10, 14), (1, 4, 4)])
     pv = random_patches(rng, cfg, grids)
-    a = np.asarray(ours.encode_images(VisionInputs.build(pv, grids, cfg)))
-    b = np.asarray(ours.encode_images(VisionInputs.build(pv, grids, cfg, num_windows=20, num_units=60)))
+    a = np.asarray(ours.encode_images(VisionInputs.build(pv, grids, cfg)))[0]
+    b = np.asarray(ours.encode_images(VisionInputs.build(pv, grids, cfg, num_windows=20, num_units=60)))[0]
     assert b.shape == (60, cfg.text.hidden_size)
     np.testing.assert_allclose(b[: len(a)], a, rtol=1e-5, atol=1e-6)
+
+
+def test_per_example_image_groups_equal_flat_batch(tiny_pair):
+    """Training batches carry images per example (G = B, padded); logits equal the flat call's."""
+    import jax.numpy as jnp
+
+    from codedance_jax.model.qwen25vl import VisionInputs
+    from codedance_jax.model.rope import mrope_positions
+    from codedance_jax.model.vision import make_plan
+
+    _, ours, cfg = tiny_pair
+    rng = np.random.default_rng(21)
+    row_grids = [[(1, 4, 6), (1, 2, 2)], [], [(1, 6, 6)]]
+    rows = [build_row(rng, cfg, g, [3] + [2] * len(g)) for g in row_grids]
+    rows[1] = list(rng.integers(10, 5000, 8))
+    ids, mask = left_pad(rows)
+    flat_grids = np.array([g for gs in row_grids for g in gs])
+    pv_rows = [random_patches(rng, cfg, g) if g else np.zeros((0, cfg.vision.patch_dim), np.float32) for g in row_grids]
+    want = np.asarray(ours(ids, mask, np.concatenate(pv_rows), flat_grids))
+
+    nb, wb = 12, 6
+    plans = [make_plan(np.array(g).reshape(-1, 3), cfg.vision, num_windows=wb, num_units=nb) for g in row_grids]
+    pv = np.zeros((3, nb * 4, cfg.vision.patch_dim), np.float32)
+    for b, p in enumerate(pv_rows):
+        pv[b, : len(p)] = p
+    vis = VisionInputs(jnp.asarray(pv), *(jnp.asarray(np.stack([getattr(p, f) for p in plans]))
+                                          for f in ("unit_src", "pos_hw", "image_id", "out_index")))
+    pos = np.concatenate([mrope_positions(ids[b:b + 1], mask[b:b + 1], np.array(g).reshape(-1, 3) if g else None,
+                                          image_token_id=cfg.image_token_id, spatial_merge_size=2)[0]
+                          for b, g in enumerate(row_grids)], axis=1)
+    got = np.asarray(ours.forward(jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(mask), vis))
+    keep = mask.astype(bool)
+    assert rel_err(got[keep], want[keep]) <= 1e-5
 
 
 def test_decoder_layer_parity(tiny_pair):

@@ -28,11 +28,13 @@ from codedance_jax.model.layers import RMSNorm, param, remat_policy
 class VisionInputs:
     """Device arrays for one vision-tower call (see `vision.make_plan`)."""
 
-    pixel_values: jax.Array  # [P, patch_dim]
-    unit_src: jax.Array  # int32[W*U]
-    pos_hw: jax.Array  # int32[W*U*Q, 2]
-    image_id: jax.Array  # int32[W*U]
-    out_index: jax.Array  # int32[N]
+    """Arrays carry a leading group axis G: 1 for a call's images, B for per-example training."""
+
+    pixel_values: jax.Array  # [G, P, patch_dim]
+    unit_src: jax.Array  # int32[G, W*U]
+    pos_hw: jax.Array  # int32[G, W*U*Q, 2]
+    image_id: jax.Array  # int32[G, W*U]
+    out_index: jax.Array  # int32[G, N]
 
     @classmethod
     def build(cls, pixel_values, image_grid_thw, cfg: ModelConfig, **bucket) -> VisionInputs:
@@ -44,7 +46,8 @@ class VisionInputs:
                 f"pixel_values has {pv.shape[0]} patch rows but image_grid_thw describes {need} "
                 "(sum of t*h*w); pass the pixel_values and image_grid_thw produced together by the processor."
             )
-        return cls(jnp.asarray(pv), *(jnp.asarray(a) for a in (plan.unit_src, plan.pos_hw, plan.image_id, plan.out_index)))
+        arrays = (pv, plan.unit_src, plan.pos_hw, plan.image_id, plan.out_index)
+        return cls(*(jnp.asarray(a)[None] for a in arrays))
 
 
 @struct.dataclass
@@ -89,18 +92,28 @@ class Qwen25VL(nnx.Module):
 
     # ------------------------------------------------------------ pieces
     def encode_images(self, vis: VisionInputs) -> jax.Array:
-        """float[N, D]: one embedding per image placeholder token, in placeholder order."""
+        """float[G, N, D]: one embedding per image placeholder token of each group, in order."""
         return self.visual(vis.pixel_values, vis.unit_src, vis.pos_hw, vis.image_id, vis.out_index, dtype=self.cfg.compute_dtype)
 
-    def embed_tokens(self, ids_bt, image_feats_nd=None):
-        """Token embeddings with image features scattered into the placeholder slots (row-major)."""
+    def embed_tokens(self, ids_bt, image_feats_gnd=None):
+        """Token embeddings with image features scattered into the placeholder slots.
+
+        image_feats_gnd [G, N, D]: with G == 1 the features fill the placeholders of the whole
+        batch in row-major order (the `transformers` convention); with G == B row b takes its own
+        group's features (per-example images, as training batches carry them).
+        """
         x = self.embed[...][ids_bt].astype(self.cfg.compute_dtype)
-        if image_feats_nd is None:
+        if image_feats_gnd is None:
             return x
         is_img = ids_bt == self.cfg.image_token_id
-        idx = jnp.cumsum(is_img.reshape(-1)).reshape(is_img.shape) - 1
-        idx = jnp.clip(idx, 0, image_feats_nd.shape[0] - 1)
-        return jnp.where(is_img[..., None], image_feats_nd[idx].astype(x.dtype), x)
+        g, n, d = image_feats_gnd.shape
+        if g == 1:
+            idx = jnp.cumsum(is_img.reshape(-1)).reshape(is_img.shape) - 1
+            feats = image_feats_gnd[0][jnp.clip(idx, 0, n - 1)]
+        else:
+            idx = jnp.clip(jnp.cumsum(is_img, axis=1) - 1, 0, n - 1)  # [B, T]
+            feats = jnp.take_along_axis(image_feats_gnd, idx[..., None], axis=1)
+        return jnp.where(is_img[..., None], feats.astype(x.dtype), x)
 
     def logits(self, h_btd):
         w = self.embed[...].T if self.lm_head is None else self.lm_head[...]

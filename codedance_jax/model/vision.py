@@ -166,36 +166,42 @@ class VisionTower(nnx.Module):
         self.remat = remat
 
     def __call__(self, pixel_values, unit_src, pos_hw, image_id, out_index, *, dtype=jnp.float32):
-        """pixel_values [P, patch_dim] in placeholder order; plan arrays from `make_plan`.
+        """Encodes G independent groups of images (a group: one call's images, or one example's).
 
-        Returns float[N, D]: one feature per image placeholder token (N = len(out_index)).
+        pixel_values [G, P, patch_dim] in placeholder order; plan arrays from `make_plan` with a
+        leading G axis: unit_src [G, W*U], pos_hw [G, W*U*Q, 2], image_id [G, W*U], out_index [G, N].
+        Full-attention layers never mix groups, so groups shard along G like a batch.
+        Returns float[G, N, D]: one feature per image placeholder token of each group.
         """
         cfg = self.cfg
         q, u = cfg.merge_unit, cfg.window_merged**2
-        units = pixel_values.reshape(-1, q, cfg.patch_dim)  # [units, Q, patch_dim]
-        valid_u = unit_src >= 0  # [W*U]
-        x = jnp.where(valid_u[:, None, None], units[jnp.maximum(unit_src, 0)], 0).reshape(-1, cfg.patch_dim)
-        x = jnp.einsum("pc,cd->pd", x.astype(dtype), self.patch_embed[...].astype(dtype))  # [S, Dv]
-        cos, sin = rope.vision_cos_sin(pos_hw, cfg.head_dim, cfg.rope_theta)  # [S, Hv]
-        s = x.shape[0]
+        g = unit_src.shape[0]
+        units = pixel_values.reshape(g, -1, q, cfg.patch_dim)  # [G, units, Q, patch_dim]
+        valid_u = unit_src >= 0  # [G, W*U]
+        x = jnp.take_along_axis(units, jnp.maximum(unit_src, 0)[:, :, None, None], axis=1)
+        x = jnp.where(valid_u[:, :, None, None], x, 0).reshape(g, -1, cfg.patch_dim)
+        x = jnp.einsum("gpc,cd->gpd", x.astype(dtype), self.patch_embed[...].astype(dtype))  # [G, S, Dv]
+        cos, sin = rope.vision_cos_sin(pos_hw.reshape(-1, 2), cfg.head_dim, cfg.rope_theta)
+        s = x.shape[1]
         w = s // (u * q)
-        valid_p = jnp.repeat(valid_u, q)  # [S]
-        img_p = jnp.repeat(image_id, q)
-        # Window layers: [W, U*Q] blocks with a key-validity mask.
-        win_valid = valid_p.reshape(w, u * q)
+        cos, sin = cos.reshape(g, s, -1), sin.reshape(g, s, -1)
+        valid_p = jnp.repeat(valid_u, q, axis=1)  # [G, S]
+        img_p = jnp.repeat(image_id, q, axis=1)
+        # Window layers: [G*W, U*Q] blocks with a validity mask.
+        win_valid = valid_p.reshape(g * w, u * q)
         win_mask = win_valid[:, None, :] & win_valid[:, :, None]
-        # Full layers: one segment per image over all patches.
-        full_mask = ((img_p[:, None] == img_p[None, :]) & valid_p[None, :])[None]
+        # Full layers: one segment per image over the group's patches.
+        full_mask = (img_p[:, :, None] == img_p[:, None, :]) & valid_p[:, None, :]
 
         def block_fn(blk, x, full):
             if full:
-                return blk(x[None], cos[None], sin[None], full_mask)[0]
-            xw = blk(x.reshape(w, u * q, -1), cos.reshape(w, u * q, -1), sin.reshape(w, u * q, -1), win_mask)
-            return xw.reshape(s, -1)
+                return blk(x, cos, sin, full_mask)
+            xw = blk(x.reshape(g * w, u * q, -1), cos.reshape(g * w, u * q, -1), sin.reshape(g * w, u * q, -1), win_mask)
+            return xw.reshape(g, s, -1)
 
         if self.remat != "none":
             block_fn = nnx.remat(block_fn, policy=remat_policy(self.remat), static_argnums=(2,))
         for i, blk in enumerate(self.blocks):
             x = block_fn(blk, x, i in cfg.fullatt_block_indexes)
-        merged = self.merger(x)  # [W*U, D]
-        return merged[out_index]
+        merged = self.merger(x.reshape(g * s, -1)).reshape(g, w * u, -1)  # [G, W*U, D]
+        return jnp.take_along_axis(merged, out_index[:, :, None], axis=1)
