@@ -1,0 +1,170 @@
+"""The session's holder process and the forked child that runs one cell.
+
+Everything here runs as the session's unprivileged uid, inside its namespaces and Landlock domain,
+and is *untrusted* once the first cell has run: user code can rewrite any of it. The supervisor
+therefore treats what comes out of here as data, enforces the time limit itself, and only trusts
+the kernel (exit statuses, /proc) for what it kills or keeps.
+
+Atomicity comes from fork: the holder forks a child per cell; on success the child reports "ok"
+and becomes the next holder (the supervisor then kills the old one), on failure the child is
+discarded and the untouched holder serves the next cell.
+"""
+
+from __future__ import annotations
+
+import base64
+import builtins
+import io
+import linecache
+import os
+import random
+import resource
+import sys
+import traceback
+
+from sandbox import figures, isolation, wire
+
+WORKDIR = "/tmp/work"  # inside the session's private tmpfs; the cwd of every cell
+
+# Own references, taken before any user code runs, so that `os.fork = None` in a cell breaks
+# nothing here. (User code can still reach these through gc; that only harms its own session.)
+_fork, _exit, _getpid, _waitpid, _dup2 = os.fork, os._exit, os.getpid, os.waitpid, os.dup2
+_close, _write, _open = os.close, os.write, os.open
+
+
+def holder_main(sock, cfg: dict, landlock_rules: list | None, landlock_abi: int) -> None:
+    """First holder of a session; never returns."""
+    devnull = _open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        _dup2(devnull, fd)
+    _close(devnull)
+    keep = sock.fileno()
+    os.closerange(3, keep)
+    os.closerange(keep + 1, 65536)
+    os.chdir(WORKDIR)
+    os.environ.clear()
+    os.environ.update(PATH="/usr/local/bin:/usr/bin:/bin", HOME=WORKDIR, TMPDIR="/tmp",
+                      LANG="C.UTF-8", MPLBACKEND="Agg", OPENBLAS_NUM_THREADS="1",
+                      OMP_NUM_THREADS="1")
+    isolation.lower_rlimit(resource.RLIMIT_NOFILE, cfg["max_open_files"])
+    isolation.lower_rlimit(resource.RLIMIT_NPROC, cfg["max_processes"])
+    isolation.lower_rlimit(resource.RLIMIT_FSIZE, cfg["disk_mb"] << 20)
+    isolation.lower_rlimit(resource.RLIMIT_CORE, 0)
+    isolation.prctl(isolation.PR_SET_DUMPABLE, 1)
+    if landlock_rules is not None:
+        isolation.landlock_restrict(landlock_rules, landlock_abi)
+    else:
+        isolation.prctl(isolation.PR_SET_NO_NEW_PRIVS, 1)
+    # Every session is forked from the same zygote: without this, all would draw the same numbers.
+    random.seed(os.urandom(32))
+    import numpy as np
+    np.random.seed(int.from_bytes(os.urandom(4), "little"))
+    figures.install(cfg["max_images"], cfg["max_image_pixels"])
+    streams = (
+        io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
+                         errors="backslashreplace", line_buffering=True, write_through=True),
+        io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
+                         errors="backslashreplace", line_buffering=True, write_through=True),
+    )
+    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    _holder_loop(sock, namespace, cfg, streams)
+
+
+def _holder_loop(sock, namespace: dict, cfg: dict, streams) -> None:
+    while True:
+        try:
+            msg, fds = wire.recv_sock(sock, max_fds=3)
+        except (wire.FrameError, OSError):
+            _exit(0)  # the supervisor is gone
+        if msg.get("op") != "run" or len(fds) != 3:
+            for fd in fds:
+                _close(fd)
+            continue
+        res_w, out_w, err_w = fds
+        pid = _fork()
+        if pid == 0:
+            if _run_cell(msg, namespace, cfg, streams, res_w, out_w, err_w):
+                continue  # this process is now the holder
+            _exit(0)
+        _close(out_w)
+        _close(err_w)
+        try:
+            _, status = _waitpid(pid, 0)
+        except ChildProcessError:
+            status = -1
+        try:
+            wire.write_fd(res_w, {"kind": "exit", "pid": pid, "wait_status": status})
+        except OSError:
+            pass  # the supervisor already decided (timeout, or it read the child's result)
+        _close(res_w)
+
+
+def _run_cell(msg, namespace, cfg, streams, res_w, out_w, err_w) -> bool:
+    me = _getpid()
+    _dup2(out_w, 1)
+    _dup2(err_w, 2)
+    _close(out_w)
+    _close(err_w)
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")  # under memory pressure the cell dies, not the holder with the state
+    except OSError:
+        pass
+    # Soft limits only, so the next holder can lift them again; the cgroup is the hard bound.
+    as_soft = isolation.vm_size_bytes() + (cfg["memory_mb"] << 20)
+    resource.setrlimit(resource.RLIMIT_AS, (as_soft, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    cpu_soft = int(cfg["timeout_s"]) + 2
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_soft, resource.getrlimit(resource.RLIMIT_CPU)[1]))
+    sys.stdout, sys.stderr = streams
+    sys.stdin = open(os.devnull)
+    figures.reset()
+    before = figures.scan_images(WORKDIR)
+    code = msg.get("code", "")
+    name = f"<cell {msg.get('n', 0)}>"
+    linecache.cache[name] = (len(code), None, code.splitlines(True), name)
+    status = "ok"
+    try:
+        exec(compile(code, name, "exec"), namespace)
+    except SystemExit as e:
+        status = "error"
+        _say(f"SystemExit: the cell called exit({e.code!r}); exiting is disabled in the sandbox, "
+             "the cell was discarded and the state rolled back\n")
+    except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt from user code is an error too
+        status = "error"
+        _say("".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next)))
+    if _getpid() != me:
+        _exit(0)  # a process forked by the cell reached its end; only the cell child reports
+    try:
+        images, notes = figures.collect(WORKDIR, before)
+    except Exception as e:  # noqa: BLE001
+        images, notes = [], [f"[sandbox] images could not be collected: {e!r}"]
+    for note in notes:
+        _say(note + "\n")
+    for s in (sys.stdout, sys.stderr):
+        try:
+            s.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    wire.write_fd(res_w, {"kind": "result", "status": status, "pid": me,
+                          "images": [base64.b64encode(p).decode() for p in images]})
+    if status != "ok":
+        return False
+    devnull = _open(os.devnull, os.O_RDWR)
+    _dup2(devnull, 1)
+    _dup2(devnull, 2)
+    _close(devnull)
+    _close(res_w)
+    for which in (resource.RLIMIT_AS, resource.RLIMIT_CPU):
+        hard = resource.getrlimit(which)[1]
+        resource.setrlimit(which, (hard, hard))
+    return True
+
+
+def _say(text: str) -> None:
+    data = text.encode("utf-8", "backslashreplace")
+    while data:
+        try:
+            n = _write(2, data)
+        except OSError:
+            return
+        data = data[n:]

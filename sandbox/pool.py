@@ -1,0 +1,246 @@
+"""The trainer-side API: `SandboxPool` and `Session` (SPEC section 3).
+
+This side never runs user code and never unpickles anything: it talks JSON frames to the zygote
+and to each session's supervisor. Cells of one session run in order; cells of different sessions
+run concurrently, at most `num_workers` at a time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import collections
+import concurrent.futures
+import itertools
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+from sandbox import wire
+from sandbox.result import ExecResult
+
+log = logging.getLogger("sandbox")
+
+_GRACE_S = 10.0  # how long past its own limit a supervisor may take before we kill the session
+_UID_BASE = 200_000  # session uids: unused on these machines, one per live session
+_uid_counter = itertools.count()
+
+
+class SandboxError(RuntimeError):
+    """The pool could not start, or a session could not be created."""
+
+
+class SandboxPool:
+    """A warm zygote process plus the sessions forked from it.
+
+    num_workers: cells that may run at the same time (across sessions).
+    timeout_s: wall-clock limit per cell, enforced from outside the cell.
+    memory_mb: memory of a whole session (holder, cell, its children, its files in tmpfs).
+    Keyword-only limits: max_output_bytes (per stream), disk_mb (the session's tmpfs),
+    max_files (inodes in it), max_open_files, max_processes, max_images and max_image_pixels
+    (per cell), cpus_per_session (CFS quota).
+    """
+
+    def __init__(self, num_workers: int = 4, timeout_s: float = 15.0, memory_mb: int = 2048, *,
+                 max_output_bytes: int = 65536, disk_mb: int = 256, max_files: int = 4096,
+                 max_open_files: int = 256, max_processes: int = 64, max_images: int = 8,
+                 max_image_pixels: int = 4_000_000, cpus_per_session: float = 1.0) -> None:
+        if os.geteuid() != 0:
+            raise SandboxError("SandboxPool needs root (it creates namespaces, mounts and cgroups "
+                               "for each session); run the trainer as root or in a container")
+        if num_workers < 1 or timeout_s <= 0 or memory_mb < 64:
+            raise ValueError(f"need num_workers >= 1, timeout_s > 0 and memory_mb >= 64; got "
+                             f"{num_workers}, {timeout_s}, {memory_mb}")
+        self.timeout_s = float(timeout_s)
+        self.config = dict(timeout_s=self.timeout_s, memory_mb=int(memory_mb),
+                           max_output_bytes=max_output_bytes, disk_mb=disk_mb, max_files=max_files,
+                           max_open_files=max_open_files, max_processes=max_processes,
+                           max_images=max_images, max_image_pixels=max_image_pixels,
+                           cpus_per_session=cpus_per_session)
+        ours, theirs = socket.socketpair()
+        pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"),
+               "LANG": "C.UTF-8", "MPLBACKEND": "Agg", "PYTHONPATH": pkg_parent,
+               "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+               "PYTHONDONTWRITEBYTECODE": "1"}
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "sandbox.zygote", str(theirs.fileno()), json.dumps(self.config)],
+            pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL, cwd="/")
+        theirs.close()
+        self._zygote = ours
+        self._zlock = threading.Lock()
+        self._sessions: set[Session] = set()
+        self._closed = False
+        try:
+            hello, _ = wire.recv_sock(ours)
+        except wire.FrameError:
+            self._proc.kill()
+            raise SandboxError(f"the sandbox zygote exited during start-up (code "
+                               f"{self._proc.wait()}); see its traceback above") from None
+        if hello.get("op") != "hello":
+            self._proc.kill()
+            raise SandboxError(hello.get("error", f"unexpected zygote reply {hello}"))
+        self.layers = hello["layers"]
+        for layer, why in self.layers["missing"].items():
+            log.warning("sandbox: running without %s (%s)", layer, why)
+        self._executor = concurrent.futures.ThreadPoolExecutor(num_workers, "sandbox")
+        atexit.register(self.close)
+
+    def _request(self, msg: dict, fds: list[int] | None = None) -> dict:
+        with self._zlock:
+            if self._closed:
+                raise SandboxError("the pool is closed")
+            wire.send_sock(self._zygote, msg, fds)
+            reply, _ = wire.recv_sock(self._zygote)
+        return reply
+
+    def new_session(self, files: dict[str, bytes] | None = None) -> Session:
+        """A fresh session whose working directory holds `files` (relative name -> bytes)."""
+        sid = uuid.uuid4().hex[:12]
+        uid = _UID_BASE + (os.getpid() % 100) * 1000 + next(_uid_counter) % 1000
+        ours, theirs = socket.socketpair()
+        try:
+            reply = self._request({"op": "spawn", "sid": sid, "uid": uid}, [theirs.fileno()])
+        finally:
+            theirs.close()
+        session = Session(self, sid, ours)
+        try:
+            wire.send_sock(ours, {"op": "init", "files": {
+                k: base64.b64encode(v).decode() for k, v in (files or {}).items()}})
+            ours.settimeout(30.0)
+            ready, _ = wire.recv_sock(ours)
+            ours.settimeout(None)
+        except (wire.FrameError, OSError) as e:
+            ready = {"op": "failed", "error": f"the session died during set-up ({e})"}
+        if ready.get("op") != "ready" or reply.get("supervisor", -1) <= 0:
+            session.close()
+            raise SandboxError(ready.get("error", "session set-up failed"))
+        self._sessions.add(session)
+        return session
+
+    def close(self) -> None:
+        """Kill every session and the zygote; returns once no session process is left."""
+        if self._closed:
+            return
+        for s in list(self._sessions):
+            s.close()
+        with self._zlock:
+            self._closed = True
+            self._zygote.close()  # the zygote kills what is left and exits on EOF
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        atexit.unregister(self.close)
+
+    def __enter__(self) -> SandboxPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Session:
+    """One trajectory's sandbox: a private working directory and a persistent namespace."""
+
+    workdir = "/tmp/work"  # the cells' working directory, as seen from inside the sandbox
+
+    def __init__(self, pool: SandboxPool, sid: str, sock: socket.socket) -> None:
+        self.pool, self.sid, self._sock = pool, sid, sock
+        self._lock = threading.Lock()
+        self._queue: collections.deque = collections.deque()
+        self._busy = False
+        self._closed = False
+        self._dead: str | None = None
+
+    def execute(self, code: str) -> ExecResult:
+        """Run one cell and wait for its result."""
+        return self.submit(code).result()
+
+    def submit(self, code: str) -> concurrent.futures.Future:
+        """Queue one cell; the future resolves to its ExecResult. Cells of a session run in
+        submission order."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise SandboxError(f"session {self.sid} is closed")
+            self._queue.append((code, fut))
+            if not self._busy:
+                self._busy = True
+                self.pool._executor.submit(self._drain)
+        return fut
+
+    def _drain(self) -> None:
+        with self._lock:
+            code, fut = self._queue.popleft()
+        if fut.set_running_or_notify_cancel():
+            try:
+                fut.set_result(self._run(code))
+            except BaseException as e:  # noqa: BLE001 - the caller sees it on the future
+                fut.set_exception(e)
+        with self._lock:
+            if self._queue:
+                self.pool._executor.submit(self._drain)
+            else:
+                self._busy = False
+
+    def _run(self, code: str) -> ExecResult:
+        if self._dead:
+            return ExecResult("crashed", "", f"[sandbox] session lost: {self._dead}", [], 0.0)
+        t0 = time.monotonic()
+        try:
+            self._sock.settimeout(self.pool.timeout_s + _GRACE_S)
+            wire.send_sock(self._sock, {"op": "run", "code": code})
+            reply, _ = wire.recv_sock(self._sock)
+        except (OSError, wire.FrameError) as e:
+            timed_out = isinstance(e, TimeoutError)
+            self._dead = ("its supervisor did not answer in time" if timed_out else
+                          f"its supervisor went away ({e})")
+            self._kill()
+            return ExecResult("timeout" if timed_out else "crashed", "",
+                              f"[sandbox] session lost: {self._dead}", [],
+                              time.monotonic() - t0)
+        return ExecResult(reply["status"], reply["stdout"], reply["stderr"],
+                          [base64.b64decode(b) for b in reply["images"]], reply["elapsed_s"])
+
+    def memory_bytes(self) -> int | None:
+        """Memory charged to this session's cgroup (None without the memory cgroup)."""
+        with self._lock:
+            if self._busy or self._closed:
+                return None
+            wire.send_sock(self._sock, {"op": "stats"})
+            reply, _ = wire.recv_sock(self._sock)
+        return reply.get("memory_bytes")
+
+    def _kill(self) -> None:
+        try:
+            self.pool._request({"op": "kill", "sid": self.sid})
+        except (SandboxError, OSError, wire.FrameError):
+            pass  # the zygote is gone, and with it every session
+
+    def close(self) -> None:
+        """Kill the session's processes (returns once they are gone) and drop its files.
+        Cells still queued are cancelled; a running one ends as "crashed"."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            while self._queue:
+                self._queue.popleft()[1].cancel()
+        self._kill()
+        self._sock.close()
+        self.pool._sessions.discard(self)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

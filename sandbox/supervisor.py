@@ -1,0 +1,440 @@
+"""One session: its namespaces and limits, and the supervisor that runs its cells.
+
+Process tree of a session (forked from the zygote, which runs as root and never runs user code):
+
+    anchor    stays in the host pid namespace; reaps the supervisor; dies with the zygote
+    └ supervisor   pid 1 of a new pid/mount/net/ipc/uts namespace; sets up mounts and cgroups as
+      │            root, then drops to the session uid; never runs user code, so it is trusted.
+      └ holder     owns the session's namespace of variables; forks one child per cell
+        └ cell     runs the user's code; on success it becomes the next holder
+
+The supervisor enforces the wall-clock limit from outside the cell, captures stdout/stderr from
+pipes it owns, kills every other process of the session after each cell (it can list them: the
+namespace's /proc shows only them), and rolls the files back (sandbox.workdir). When it dies, the
+kernel kills everything left in its pid namespace.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import select
+import signal
+import socket
+import stat
+import struct
+import time
+import traceback
+
+from sandbox import cell, isolation, wire
+from sandbox.workdir import Snapshot
+
+_PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def anchor_main(sess_fd: int, report_fd: int, spec: dict) -> None:
+    """Runs in the zygote's child: make the namespaces, fork the supervisor, wait for it."""
+    isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
+    flags = (isolation.CLONE_NEWPID | isolation.CLONE_NEWNS | isolation.CLONE_NEWIPC
+             | isolation.CLONE_NEWUTS)
+    if spec["layers"]["net"]:
+        flags |= isolation.CLONE_NEWNET
+    try:
+        isolation.unshare(flags)
+        pid = os.fork()
+    except OSError as e:
+        os.write(report_fd, struct.pack("i", -1))
+        _fail(sess_fd, f"could not create the session's namespaces: {e}")
+        os._exit(1)
+    if pid == 0:
+        os.close(report_fd)
+        try:
+            _supervisor_main(sess_fd, spec)
+        except BaseException:  # noqa: BLE001 - report set-up failures to the pool, then die
+            _fail(sess_fd, "session set-up failed:\n" + traceback.format_exc())
+        os._exit(1)
+    os.write(report_fd, struct.pack("i", pid))
+    os.close(report_fd)
+    os.close(sess_fd)
+    while True:
+        try:
+            os.waitpid(pid, 0)
+            break
+        except ChildProcessError:
+            break
+        except InterruptedError:
+            continue
+    os._exit(0)
+
+
+def _fail(sess_fd: int, error: str) -> None:
+    try:
+        wire.write_fd(sess_fd, {"op": "failed", "error": error})
+    except OSError:
+        pass
+
+
+def _mount_private_dirs(spec: dict, uid: int) -> int:
+    """Mount the session's view of the filesystem; returns the detached mirror's directory fd."""
+    m = isolation
+    m.mount(None, "/", None, m.MS_REC | m.MS_PRIVATE)
+    # A fresh /proc for the new pid namespace: it lists only this session's processes.
+    m.mount("proc", "/proc", "proc", m.MS_NOSUID | m.MS_NODEV | m.MS_NOEXEC)
+    opts = (f"size={spec['disk_mb']}m,nr_inodes={spec['max_files'] + 64},mode=0700,"
+            f"uid={uid},gid={uid}")
+    flags = m.MS_NOSUID | m.MS_NODEV
+    m.mount("tmpfs", "/tmp", "tmpfs", flags, opts)
+    mirror = os.open("/tmp", os.O_RDONLY | os.O_DIRECTORY)
+    m.umount_detach("/tmp")  # now reachable only through `mirror`
+    m.mount("tmpfs", "/tmp", "tmpfs", flags, opts)
+    os.mkdir(cell.WORKDIR, 0o755)
+    os.chown(cell.WORKDIR, uid, uid)
+    for path, size in (("/dev/shm", 64), ("/var/tmp", 1), ("/run", 1)):
+        if os.path.isdir(path) and not os.path.islink(path):
+            m.mount("tmpfs", path, "tmpfs", flags | m.MS_NOEXEC, f"size={size}m,mode=1777")
+    _expose_interpreter(uid)
+    return mirror
+
+
+def _expose_interpreter(uid: int) -> None:
+    """The interpreter may live under a directory the session uid cannot traverse (pyenv under
+    /root, mode 0700). Cover that directory with an empty tmpfs and bind back only the
+    interpreter trees: the rest of it (keys, caches) stays out of sight."""
+    covers: dict[str, list[tuple[str, int]]] = {}
+    for tree in isolation.python_read_paths():
+        parts = tree.strip("/").split("/")
+        for i in range(1, len(parts)):
+            anc = "/" + "/".join(parts[:i])
+            if not os.stat(anc).st_mode & stat.S_IXOTH:
+                covers.setdefault(anc, []).append((tree, os.open(tree, os.O_PATH)))
+                break
+    m = isolation
+    for anc, trees in covers.items():
+        m.mount("tmpfs", anc, "tmpfs", m.MS_NOSUID | m.MS_NODEV, "size=1m,mode=0755")
+        for tree, fd in trees:
+            os.makedirs(tree, 0o755, exist_ok=True)
+            m.mount(f"/proc/self/fd/{fd}", tree, None, m.MS_BIND | m.MS_REC)
+            m.mount(None, tree, None, m.MS_REMOUNT | m.MS_BIND | m.MS_RDONLY | m.MS_NOSUID)
+            os.close(fd)
+
+
+def _join_cgroups(spec: dict) -> dict[str, int]:
+    """Limit the whole session (supervisor, holder, cells) together; returns fds for reading."""
+    fds = {}
+    dirs = spec["cgroups"]
+    if "memory" in dirs:
+        d = dirs["memory"]
+        isolation.write_file(f"{d}/memory.limit_in_bytes", str(spec["memory_mb"] << 20))
+        isolation.write_file(f"{d}/cgroup.procs", "0")
+        fds["oom"] = os.open(f"{d}/memory.oom_control", os.O_RDONLY)
+        fds["usage"] = os.open(f"{d}/memory.usage_in_bytes", os.O_RDONLY)
+    if "pids" in dirs:
+        # Room for the supervisor and holder on top of what a cell may start.
+        isolation.write_file(f"{dirs['pids']}/pids.max", str(spec["max_processes"] + 4))
+        isolation.write_file(f"{dirs['pids']}/cgroup.procs", "0")
+    if "cpu" in dirs:
+        isolation.write_file(f"{dirs['cpu']}/cpu.cfs_period_us", "100000")
+        isolation.write_file(f"{dirs['cpu']}/cpu.cfs_quota_us",
+                             str(int(100000 * spec["cpus_per_session"])))
+        isolation.write_file(f"{dirs['cpu']}/cgroup.procs", "0")
+    return fds
+
+
+def _write_files(files: dict, uid: int) -> None:
+    for name, b64 in files.items():
+        norm = os.path.normpath(name)
+        if os.path.isabs(norm) or norm.startswith(".."):
+            raise ValueError(f"input file name {name!r} must be a relative path inside the "
+                             "working directory")
+        path = os.path.join(cell.WORKDIR, norm)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(base64.b64decode(b64))
+    for dirpath, dirnames, filenames in os.walk(cell.WORKDIR):
+        for n in dirnames + filenames:
+            os.lchown(os.path.join(dirpath, n), uid, uid)
+
+
+def _landlock_rules(extra_rw: list) -> list:
+    rw = ~0 & ((1 << 16) - 1)
+    rules = [(p, isolation.READ_ONLY) for p in isolation.SYSTEM_READ_PATHS]
+    rules += [(p, isolation.READ_ONLY) for p in isolation.python_read_paths()]
+    rules += [("/tmp", rw), ("/dev/shm", rw), ("/dev/null", rw)]
+    return rules + [(x, rw) for x in extra_rw]
+
+
+def _supervisor_main(sess_fd: int, spec: dict) -> None:
+    isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
+    sock = socket.socket(fileno=sess_fd)
+    uid = spec["uid"]
+    mirror = _mount_private_dirs(spec, uid)
+    cg = _join_cgroups(spec)
+    init, _ = wire.recv_sock(sock)
+    _write_files(init.get("files", {}), uid)
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+    isolation.prctl(isolation.PR_SET_DUMPABLE, 0)  # the holder shares our uid: no ptrace of us
+    abi = spec["layers"]["landlock_abi"]
+    holder_rules = _landlock_rules([]) if abi else None
+    if abi:
+        isolation.landlock_restrict(_landlock_rules([mirror]), abi)
+    else:
+        isolation.prctl(isolation.PR_SET_NO_NEW_PRIVS, 1)
+    snapshot = Snapshot("/tmp", mirror)
+    snapshot.sync()
+    ours, theirs = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:
+        sock.close()
+        ours.close()
+        cell.holder_main(theirs, spec, holder_rules, abi)
+        os._exit(0)
+    theirs.close()
+    Supervisor(sock, ours, pid, spec, snapshot, cg).serve()
+
+
+class Supervisor:
+    def __init__(self, sock, holder_sock, holder_pid, spec, snapshot, cgroup_fds) -> None:
+        self.sock, self.holder_sock, self.holder = sock, holder_sock, holder_pid
+        self.spec, self.snapshot, self.cg = spec, snapshot, cgroup_fds
+        self.lost: str | None = None
+        self.n = 0
+
+    def serve(self) -> None:
+        wire.send_sock(self.sock, {"op": "ready"})
+        while True:
+            try:
+                msg, _ = wire.recv_sock(self.sock)
+            except (wire.FrameError, OSError):
+                os._exit(0)  # the pool closed the session or died
+            if msg.get("op") == "run":
+                reply = self.run(str(msg.get("code", "")))
+            elif msg.get("op") == "stats":
+                reply = {"memory_bytes": self._read_int("usage")}
+            else:
+                reply = {"error": f"unknown op {msg.get('op')!r}"}
+            wire.send_sock(self.sock, reply)
+
+    def _read_int(self, key: str) -> int | None:
+        fd = self.cg.get(key)
+        if fd is None:
+            return None
+        return int(os.pread(fd, 64, 0).split()[0])
+
+    def _oom_kills(self) -> int:
+        fd = self.cg.get("oom")
+        if fd is None:
+            return 0
+        for line in os.pread(fd, 4096, 0).decode().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+        return 0
+
+    def run(self, code: str) -> dict:
+        t0 = time.monotonic()
+        self._reap()
+        if self.lost is None and not _alive(self.holder):
+            self.lost = "the process holding the session's state died"
+        if self.lost:
+            return _reply("crashed", "", f"[sandbox] session lost: {self.lost}; start a new "
+                          "session", [], t0)
+        self.n += 1
+        oom_before = self._oom_kills()
+        res_r, res_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            wire.send_sock(self.holder_sock, {"op": "run", "code": code, "n": self.n},
+                           [res_w, out_w, err_w])
+        except OSError:
+            self.lost = "the process holding the session's state stopped answering"
+        for fd in (res_w, out_w, err_w):
+            os.close(fd)
+        cap = self.spec["max_output_bytes"]
+        outs = {out_r: _Capture(cap), err_r: _Capture(cap)}
+        reader = wire.FrameReader()
+        result = exit_status = None
+        timed_out = False
+        deadline = t0 + self.spec["timeout_s"]
+        poller = select.poll()
+        for fd in (res_r, out_r, err_r):
+            os.set_blocking(fd, False)
+            poller.register(fd, select.POLLIN)
+        open_fds = {res_r, out_r, err_r}
+        while result is None and exit_status is None and res_r in open_fds:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            for fd, _ev in poller.poll(left * 1000):
+                data = _read_some(fd)
+                if data is None:
+                    continue
+                if not data:
+                    poller.unregister(fd)
+                    open_fds.discard(fd)
+                elif fd == res_r:
+                    try:
+                        frames = reader.feed(data)
+                    except wire.FrameError:
+                        frames = [{"kind": "garbage"}]
+                    for f in frames:
+                        if f.get("kind") == "result" and result is None:
+                            result = f
+                        elif f.get("kind") == "exit":
+                            exit_status = f.get("wait_status")
+                        elif f.get("kind") == "garbage":
+                            exit_status = -1
+                else:
+                    outs[fd].add(data)
+        status, notes, images = "error", [], []
+        new_holder = None
+        if timed_out:
+            status = "timeout"
+            notes.append(f"[sandbox] timeout: the cell ran longer than {self.spec['timeout_s']:g} s "
+                         "and was killed; the state was rolled back to the last successful cell")
+        elif result is not None:
+            status = "error" if result.get("status") != "ok" else "ok"
+            images, dropped = self._check_images(result.get("images"))
+            if dropped:
+                notes.append(f"[sandbox] {dropped} image(s) dropped: not a PNG within the limits")
+            pid = result.get("pid")
+            if status == "ok":
+                if isinstance(pid, int) and pid > 1 and _alive(pid):
+                    new_holder = pid
+                else:
+                    status = "crashed"
+                    notes.append("[sandbox] the cell finished but its process vanished")
+        else:
+            status, note = self._describe_exit(exit_status, oom_before)
+            notes.append(note)
+        self._kill_all_but(new_holder or self.holder)
+        for fd in (out_r, err_r):
+            while (data := _read_some(fd)):
+                outs[fd].add(data)
+        for fd in (res_r, out_r, err_r):
+            os.close(fd)
+        if new_holder:
+            self.holder = new_holder
+            self.snapshot.sync()
+        else:
+            self.snapshot.restore()
+            if not _alive(self.holder):
+                self.lost = "the cell killed the process holding the session's state"
+                notes.append(f"[sandbox] {self.lost}; this session cannot run more cells")
+            elif status != "timeout":
+                notes.append("[sandbox] the namespace and files were rolled back to the last "
+                             "successful cell")
+        stderr = outs[err_r].text()
+        if notes:
+            stderr += ("" if not stderr or stderr.endswith("\n") else "\n") + "\n".join(notes) + "\n"
+        return _reply(status, outs[out_r].text(), stderr, images, t0)
+
+    def _describe_exit(self, wait_status, oom_before: int) -> tuple[str, str]:
+        if not isinstance(wait_status, int) or wait_status < 0:
+            return "crashed", "[sandbox] the cell's process vanished without a result"
+        if os.WIFEXITED(wait_status):
+            code = os.WEXITSTATUS(wait_status)
+            return "error", (f"[sandbox] the cell ended the process with os._exit({code}); exiting "
+                             "is disabled in the sandbox")
+        sig = os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else 0
+        if self._oom_kills() > oom_before:
+            return "crashed", (f"[sandbox] the cell was killed: out of memory (the session may "
+                               f"use {self.spec['memory_mb']} MB)")
+        if sig == signal.SIGXCPU:
+            return "timeout", "[sandbox] the cell used up its CPU-time limit and was killed"
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+        return "crashed", f"[sandbox] the cell's process was killed by {name}"
+
+    def _check_images(self, images) -> tuple[list[str], int]:
+        if not isinstance(images, list):
+            return [], 0
+        ok, dropped = [], 0
+        for b64 in images:
+            try:
+                png = base64.b64decode(b64, validate=True)
+                w, h = struct.unpack(">II", png[16:24])
+                good = png.startswith(_PNG) and w * h <= self.spec["max_image_pixels"]
+            except (ValueError, TypeError, struct.error):
+                good = False
+            if good and len(ok) < self.spec["max_images"]:
+                ok.append(b64)
+            else:
+                dropped += 1
+        return ok, dropped
+
+    def _kill_all_but(self, keep: int) -> None:
+        """SIGKILL every process of the session except us and `keep`, until none is left.
+
+        The loop converges under a fork bomb: killed processes cannot fork, and the pids cgroup
+        caps how many new ones can appear between two passes."""
+        me = os.getpid()
+        for attempt in range(2000):
+            victims = []
+            for name in os.listdir("/proc"):
+                if not name.isdigit() or int(name) in (me, keep):
+                    continue
+                if _alive(int(name)):
+                    victims.append(int(name))
+            if not victims:
+                break
+            for pid in victims:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            self._reap()
+            if attempt:
+                time.sleep(0.0005)
+        self._reap()
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+
+
+class _Capture:
+    """The first `cap` bytes of a stream, and how many more there were."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.buf, self.extra = cap, bytearray(), 0
+
+    def add(self, data: bytes) -> None:
+        room = self.cap - len(self.buf)
+        self.buf += data[:max(room, 0)]
+        self.extra += max(len(data) - max(room, 0), 0)
+
+    def text(self) -> str:
+        text = self.buf.decode("utf-8", "replace")
+        if self.extra:
+            text += f"\n[... output truncated: {self.extra} more bytes ...]\n"
+        return text
+
+
+def _read_some(fd: int) -> bytes | None:
+    try:
+        return os.read(fd, 1 << 16)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return False
+    return data[data.rfind(b")") + 2:][:1] not in (b"Z", b"X")
+
+
+def _reply(status: str, stdout: str, stderr: str, images: list, t0: float) -> dict:
+    return {"status": status, "stdout": stdout, "stderr": stderr, "images": images,
+            "elapsed_s": time.monotonic() - t0}

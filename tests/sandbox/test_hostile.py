@@ -1,0 +1,133 @@
+"""Hostile cells: each must end as an observation, leave the session usable, and leave the host,
+the trainer and the pool untouched."""
+
+import os
+import socket
+
+import pytest
+from conftest import SECRET
+
+SETUP = "state = 41\nopen('kept.txt', 'w').write('kept')"
+CHECK = "state += 1\nimport os\nprint(state, open('kept.txt').read(), sorted(os.listdir('.')))"
+
+# (name, code, allowed statuses, text that must appear in stdout+stderr)
+HOSTILE = [
+    ("fork bomb", "import os\nwhile True:\n    os.fork()", {"error"}, "BlockingIOError"),
+    ("memory bomb, one allocation", "x = bytearray(10**11)", {"error"}, "MemoryError"),
+    ("memory bomb, growing", "l = []\nwhile True:\n    l.append(bytearray(32 * 2**20))",
+     {"error", "crashed"}, "memory"),
+    ("memory bomb in children", "import os\nfor _ in range(8):\n    if os.fork() == 0:\n"
+     "        l = [bytearray(2**20) for _ in range(400)]\n        os._exit(0)\n"
+     "import time; time.sleep(5)", {"timeout", "error", "crashed"}, ""),
+    ("disk filling", "f = open('big.bin', 'wb')\nwhile True:\n    f.write(b'x' * 2**20)",
+     {"error"}, "OSError"),
+    ("many files", "i = 0\nwhile True:\n    open(f'f{i}', 'w').close(); i += 1",
+     {"error"}, "No space left"),
+    ("many open files", "fs = [open('/dev/null') for _ in range(100000)]", {"error"},
+     "Too many open files"),
+    ("infinite loop", "while True:\n    pass", {"timeout"}, "timeout"),
+    ("C-level sleep ignoring SIGALRM", "import signal, time\n"
+     "signal.signal(signal.SIGALRM, lambda *a: None)\nsignal.setitimer(signal.ITIMER_REAL, 0.1, 0.1)"
+     "\nwhile True:\n    time.sleep(10)", {"timeout"}, "timeout"),
+    ("os._exit", "import os\nos._exit(3)", {"error"}, "os._exit(3)"),
+    ("sys.exit", "import sys\nsys.exit(1)", {"error"}, "SystemExit"),
+    ("exit()", "exit()", {"error"}, "SystemExit"),
+    ("input()", "name = input('name? ')", {"error"}, "input() is not available"),
+    ("stdin read", "import sys\nprint(repr(sys.stdin.read()))\nraise RuntimeError('after')",
+     {"error"}, "''"),
+    ("cv2.imshow", "import cv2, numpy as np\ncv2.imshow('w', np.zeros((4, 4)))\ncv2.waitKey(0)",
+     {"error"}, "cv2.imshow() is not available"),
+    ("plt.pause", "import matplotlib.pyplot as plt\nplt.plot([1]); plt.pause(10)", {"error"},
+     "plt.pause() is not available"),
+    ("segfault", "import ctypes\nctypes.string_at(0)", {"crashed"}, "SIGSEGV"),
+    ("kill every process it can see", "import os, signal\nos.kill(-1, signal.SIGKILL)\n"
+     "raise RuntimeError('still here')", {"error"}, "session"),
+]
+
+
+@pytest.mark.parametrize("name, code, statuses, needle", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_cell_is_contained(pool, name, code, statuses, needle):
+    with pool.new_session() as s:
+        assert s.execute(SETUP).status == "ok"
+        r = s.execute("import os\nos.mkdir('junk')\n" + code)
+        assert r.status in statuses, (r.status, r.stdout[-500:], r.stderr[-2000:])
+        assert needle in r.stdout + r.stderr, r.stderr[-2000:]
+        after = s.execute(CHECK)
+        if name == "kill every process it can see":
+            # The cell killed its own session's holder: that session reports itself lost ...
+            assert after.status == "crashed" and "session lost" in after.stderr
+        else:
+            # ... every other hostile cell leaves the session exactly as before it.
+            assert after.status == "ok", after.stderr
+            assert after.stdout == "42 kept ['kept.txt']\n"
+            procs = s.execute("import os\nprint(len([p for p in os.listdir('/proc') "
+                              "if p.isdigit()]))")
+            assert procs.stdout == "3\n"               # supervisor, holder, this cell
+    with pool.new_session() as fresh:                  # and the pool still serves new sessions
+        assert fresh.execute("print(6 * 7)").stdout == "42\n"
+
+
+def test_kill_parent_keeps_state(pool):
+    with pool.new_session() as s:
+        s.execute("v = 'before'")
+        r = s.execute("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n"
+                      "try:\n    os.kill(1, 9)\nexcept OSError as e:\n    print(type(e).__name__)\n"
+                      "v = 'after'")
+        assert r.status == "ok", r.stderr              # it killed the old holder, then took over
+        assert r.stdout in ("", "PermissionError\n")  # the supervisor: Landlock scope / pid-1 rule
+        assert s.execute("print(v)").stdout == "after\n"
+
+
+def test_cannot_signal_or_see_the_trainer(pool):
+    me = os.getpid()
+    with pool.new_session() as s:
+        r = s.execute(f"import os, signal\nprint(os.path.exists('/proc/{me}'))\n"
+                      f"os.kill({me}, signal.SIGKILL)")
+        assert r.status == "error" and r.stdout == "False\n"
+        assert "ProcessLookupError" in r.stderr
+    assert os.getpid() == me                           # still alive, obviously
+
+
+def test_no_network_not_even_loopback(pool):
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    try:
+        with pool.new_session() as s:
+            for host in ("127.0.0.1", "1.1.1.1"):
+                r = s.execute(f"import socket\ns = socket.socket()\ns.settimeout(1)\n"
+                              f"s.connect(('{host}', {port if host.startswith('127') else 53}))")
+                assert r.status == "error" and "OSError" in r.stderr or "Error" in r.stderr
+                assert "unreachable" in r.stderr or "Permission denied" in r.stderr, r.stderr
+            r = s.execute("import socket\nprint(socket.if_nameindex())")
+            assert r.stdout == "[(1, 'lo')]\n"
+    finally:
+        srv.close()
+
+
+def test_no_reads_outside_the_session(pool):
+    outside = os.path.abspath(__file__)                # world-readable, but not a system path
+    with pool.new_session() as s:
+        for path in ("/etc/shadow", outside, "/root/.bashrc", "/work"):
+            r = s.execute(f"print(open({path!r}).read()[:20])")
+            assert r.status == "error", (path, r.stdout)
+            assert any(e in r.stderr for e in ("PermissionError", "FileNotFoundError",
+                                               "IsADirectoryError")), r.stderr
+        r = s.execute("open('/usr/lib/os-release').read(); import json, numpy; print('ok')")
+        assert r.stdout == "ok\n"                     # system and library paths stay readable
+        r = s.execute("open('/usr/evil', 'w')")
+        assert r.status == "error" and "Permission" in r.stderr
+
+
+def test_host_environment_is_not_visible(pool):
+    assert os.environ.get("CODEDANCE_SANDBOX_TEST_SECRET") == SECRET
+    with pool.new_session() as s:
+        r = s.execute("import os\nprint(dict(os.environ))\n"
+                      "print(open('/proc/self/environ', 'rb').read())\n"
+                      "for p in os.listdir('/proc'):\n    if p.isdigit():\n"
+                      "        try: print(open(f'/proc/{p}/environ', 'rb').read())\n"
+                      "        except OSError as e: print(p, e)")
+        assert r.status == "ok", r.stderr
+        assert SECRET not in r.stdout and "CODEDANCE" not in r.stdout
+        assert "HOME" in r.stdout
