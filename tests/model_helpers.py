@@ -44,3 +44,36 @@ def ref_logits(ref, ids, mask, pv=None, grids=None, image_token_id=151655):
                   mm_token_type_ids=torch.tensor((np.asarray(ids) == image_token_id).astype(np.int64)))
     with torch.no_grad():
         return ref(**kw).logits.numpy()
+
+
+def train_batch(rng, cfg, batch: int, seq: int, row_grids, n_units: int = 8, n_windows: int = 4):
+    """A synthetic SFT batch in the data pipeline's contract (per-example images, right padding)."""
+    from codedance_jax.model.rope import mrope_positions
+    from codedance_jax.model.vision import make_plan
+
+    q = cfg.vision.merge_unit
+    ids = np.full((batch, seq), 151643, np.int32)
+    mask = np.zeros((batch, seq), np.int32)
+    pv = np.zeros((batch, n_units * q, cfg.vision.patch_dim), np.float32)
+    plans = []
+    positions = np.zeros((3, batch, seq), np.int32)
+    for b in range(batch):
+        grids = row_grids[b % len(row_grids)]
+        n_text = int(rng.integers(seq // 2, seq - 4 * len(grids) - sum(int(np.prod(g)) // q for g in grids)))
+        row = build_row(rng, cfg, grids, [n_text - 3 * len(grids)] + [3] * len(grids))[:seq]
+        ids[b, : len(row)] = row
+        mask[b, : len(row)] = 1
+        g = np.array(grids).reshape(-1, 3) if grids else None
+        if grids:
+            p = random_patches(rng, cfg, grids)
+            pv[b, : len(p)] = p
+        plans.append(make_plan(np.zeros((0, 3)) if g is None else g, cfg.vision, num_windows=n_windows, num_units=n_units))
+        positions[:, b : b + 1] = mrope_positions(ids[b : b + 1], mask[b : b + 1], g, image_token_id=cfg.image_token_id,
+                                                  spatial_merge_size=cfg.vision.spatial_merge_size)[0]
+    targets = np.concatenate([ids[:, 1:], np.full((batch, 1), 151643, np.int32)], axis=1)
+    loss_mask = (mask * np.concatenate([mask[:, 1:], np.zeros((batch, 1), np.int32)], axis=1)).astype(np.float32)
+    loss_mask *= (rng.random((batch, seq)) < 0.6) & (targets != cfg.image_token_id)
+    out = dict(input_ids=ids, attention_mask=mask, targets=targets, loss_mask=loss_mask, positions=positions, pixel_values=pv)
+    for f in ("unit_src", "pos_hw", "image_id", "out_index"):
+        out[f] = np.stack([getattr(p, f) for p in plans])
+    return out

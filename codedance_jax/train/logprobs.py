@@ -1,0 +1,46 @@
+"""Per-token log-probabilities of targets from hidden states, without a [B, T, V] tensor.
+
+The output layer is applied chunk by chunk along T inside a rematerialized scan: each chunk
+builds float32 logits [B, C, V], takes log-softmax at the targets and the entropy, and is
+recomputed in the backward pass instead of stored. For a 7B model at T = 4096 the full logits
+would be 2.5 GB per sequence in float32; here only one chunk is live.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def token_logprobs(h_btd, w_dv, targets_bt, *, temperature: float = 1.0, chunk: int = 512, with_entropy: bool = False):
+    """log softmax(h @ w / temperature)[targets] -> float32[B, T] (and entropy [B, T])."""
+    b, t, d = h_btd.shape
+    c = min(chunk, t)
+    pad = (-t) % c
+    if pad:
+        h_btd = jnp.pad(h_btd, ((0, 0), (0, pad), (0, 0)))
+        targets_bt = jnp.pad(targets_bt, ((0, 0), (0, pad)))
+    n = (t + pad) // c
+    hs = h_btd.reshape(b, n, c, d).swapaxes(0, 1)  # [n, B, C, D]
+    ts = targets_bt.reshape(b, n, c).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one(h, tg):
+        logits = jnp.einsum("bcd,dv->bcv", h, w_dv.astype(h.dtype)).astype(jnp.float32) / temperature
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        lp = jnp.take_along_axis(logits, tg[..., None], axis=-1)[..., 0] - lse
+        if not with_entropy:
+            return lp, jnp.zeros_like(lp)
+        p = jnp.exp(logits - lse[..., None])
+        ent = lse - jnp.sum(p * logits, axis=-1)
+        return lp, ent
+
+    lp, ent = jax.lax.map(lambda a: one(*a), (hs, ts))
+    lp = lp.swapaxes(0, 1).reshape(b, -1)[:, :t]
+    ent = ent.swapaxes(0, 1).reshape(b, -1)[:, :t]
+    return (lp, ent) if with_entropy else lp
+
+
+def output_weight(model):
+    """[D, V]: the lm_head, or the transposed embedding for tied models."""
+    return model.embed[...].T if model.lm_head is None else model.lm_head[...]

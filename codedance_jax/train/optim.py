@@ -1,0 +1,34 @@
+"""Optimizer: AdamW with linear warmup + cosine decay, global-norm clipping, decay mask.
+
+Weight decay skips 1-D parameters (RMSNorm scales, biases), the usual choice for transformers
+(and what HF Trainer, used by the authors' SFT, does). Gradient accumulation is not done here:
+the train step scans over micro-batches and applies one update (see `train.sft`).
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+
+def schedule(lr: float, total_steps: int, warmup_ratio: float = 0.05, min_lr_ratio: float = 0.0, kind: str = "cosine"):
+    warmup = max(1, int(round(total_steps * warmup_ratio))) if warmup_ratio > 0 else 0
+    if kind == "constant":
+        return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup]) if warmup else optax.constant_schedule(lr)
+    if kind != "cosine":
+        raise ValueError(f"config.optim.schedule={kind!r}: choose 'cosine' or 'constant'.")
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=lr, warmup_steps=warmup, decay_steps=max(total_steps, warmup + 1),
+        end_value=lr * min_lr_ratio,
+    )
+
+
+def make_optimizer(optim, total_steps: int):
+    """optim: a ConfigDict/dict with lr, warmup_ratio, weight_decay, b1, b2, eps, clip_norm, schedule."""
+    sched = schedule(optim.lr, total_steps, optim.warmup_ratio, optim.get("min_lr_ratio", 0.0), optim.get("schedule", "cosine"))
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)  # noqa: E731
+    tx = optax.chain(
+        optax.clip_by_global_norm(optim.clip_norm) if optim.clip_norm else optax.identity(),
+        optax.adamw(sched, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay, mask=decay_mask),
+    )
+    return tx, sched

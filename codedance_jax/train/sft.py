@@ -1,0 +1,102 @@
+"""SFT: cross-entropy on assistant tokens, one jitted sharded step with micro-batch accumulation.
+
+The loss is the token mean over the whole global batch (sum of -log p over `loss_mask`, divided
+by the number of loss tokens), so it is the same number whatever the mesh shape or the number of
+micro-batches: accumulation sums token losses and token counts and divides once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+
+from codedance_jax import sharding as shd
+from codedance_jax.model.qwen25vl import VisionInputs
+from codedance_jax.train.logprobs import output_weight, token_logprobs
+from codedance_jax.train.state import ModelDef, TrainState
+
+VISION_KEYS = ("pixel_values", "unit_src", "pos_hw", "image_id", "out_index")
+BATCH_FIELDS = ("input_ids", "attention_mask", "targets", "loss_mask", "positions", *VISION_KEYS)
+# Logical axes of each batch field; `positions` carries the batch on its second axis.
+BATCH_AXES = {"positions": (None, "batch", None)}
+
+
+def batch_axes(key: str, ndim: int):
+    return BATCH_AXES.get(key, ("batch",) + (None,) * (ndim - 1))
+
+
+def batch_shardings(batch_shapes: dict, mesh, rules=None) -> dict:
+    return {k: NamedSharding(mesh, shd.logical_to_spec(batch_axes(k, len(v.shape)), rules, mesh)) for k, v in batch_shapes.items()}
+
+
+def vision_inputs(batch) -> VisionInputs | None:
+    if "pixel_values" not in batch:
+        return None
+    return VisionInputs(*(batch[k] for k in VISION_KEYS))
+
+
+def hidden_states(mdef: ModelDef, params, batch):
+    model = mdef.model(params)
+    h = model.forward(batch["input_ids"], batch["positions"], batch["attention_mask"], vision_inputs(batch), return_hidden=True)
+    return model, h
+
+
+def sft_loss_sums(params, batch, mdef: ModelDef, chunk: int = 512):
+    """(sum of token NLL over loss_mask, number of loss tokens)."""
+    model, h = hidden_states(mdef, params, batch)
+    lp = token_logprobs(h, output_weight(model), batch["targets"], chunk=chunk)
+    mask = batch["loss_mask"].astype(jnp.float32)
+    return -(lp * mask).sum(), mask.sum()
+
+
+def split_micro(batch: dict, n: int) -> dict:
+    """[B, ...] -> [n, B/n, ...] for every field (positions: [3, B, T] -> [n, 3, B/n, T])."""
+    out = {}
+    for k, v in batch.items():
+        if k == "positions":
+            out[k] = v.reshape(v.shape[0], n, -1, *v.shape[2:]).swapaxes(0, 1)
+        else:
+            out[k] = v.reshape(n, -1, *v.shape[1:])
+    return out
+
+
+def train_step(state: TrainState, batch: dict, rng, *, mdef: ModelDef, tx, schedule, accum_steps: int = 1, chunk: int = 512):
+    """One optimizer update on a global batch. Pure; jit with `make_train_step`."""
+    del rng  # SFT has no stochastic layers; the signature is shared with GRPO
+    grad_fn = jax.value_and_grad(sft_loss_sums, has_aux=True)
+
+    def micro(carry, mb):
+        g_acc, l_acc, n_acc = carry
+        (loss_sum, n), g = grad_fn(state.params, mb, mdef, chunk)
+        return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss_sum, n_acc + n), None
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    if accum_steps == 1:
+        (g, loss_sum, n), _ = micro((zeros, 0.0, 0.0), batch)
+    else:
+        (g, loss_sum, n), _ = jax.lax.scan(micro, (zeros, 0.0, 0.0), split_micro(batch, accum_steps))
+    denom = jnp.maximum(n, 1.0)
+    grads = jax.tree.map(lambda x: x / denom, g)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {
+        "loss": loss_sum / denom,
+        "loss_tokens": n,
+        "tokens": batch["attention_mask"].sum().astype(jnp.float32),
+        "grad_norm": optax.global_norm(grads),
+        "lr": schedule(state.step),
+    }
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                              rng=jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0]))
+    return new_state, metrics
+
+
+def make_train_step(mdef: ModelDef, tx, schedule, state_sh, batch_sh, mesh, *, accum_steps: int = 1, chunk: int = 512):
+    """jit(train_step) with explicit in/out shardings and the state donated."""
+    replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
+    fn = functools.partial(train_step, mdef=mdef, tx=tx, schedule=schedule, accum_steps=accum_steps, chunk=chunk)
+    return jax.jit(fn, in_shardings=(state_sh, batch_sh, replicated), out_shardings=(state_sh, replicated), donate_argnums=0)

@@ -1,0 +1,152 @@
+"""Examples and batches for SFT: tokenize a trajectory, pick its length bucket, pad a batch to a bucket.
+
+A bucket is a triple (T tokens, Nb image tokens, Wb vision windows). An example fits a bucket when
+its tokens, image tokens (merged units) and windows all fit; it goes to the first (smallest) bucket
+that fits. Buckets must be non-decreasing in every field, so a batch of examples that each fit
+some bucket fits the largest of their buckets; a batch is padded to that bucket, and a train step
+compiles once per bucket at most.
+
+Batch contract (all numpy, leading batch dim B; per-example vision so everything shards along B):
+  input_ids int32[B, T], attention_mask int32[B, T] (right padding), targets int32[B, T]
+  (input_ids shifted left by one, pad at the end), loss_mask float32[B, T] (1 where targets[b, t]
+  is a trained assistant token), positions int32[3, B, T] (M-RoPE, 0 on padding),
+  pixel_values float32[B, Pb, patch_dim] with Pb = Nb * Q, the vision plan per row —
+  unit_src int32[B, Wb*U], pos_hw int32[B, Wb*U*Q, 2], image_id int32[B, Wb*U],
+  out_index int32[B, Nb] — equal to `make_plan(grid_thw_of_row, cfg.vision, num_windows=Wb,
+  num_units=Nb)` (rows without images: unit_src -1, image_id -1, out_index 0), and
+  num_tokens int32[B] (loss tokens per row; sum it for the batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+from PIL import Image
+
+from codedance_jax.model.config import ModelConfig, VisionConfig
+from codedance_jax.model.rope import mrope_positions
+from codedance_jax.model.vision import make_plan
+from data import chat
+from data.observation import CODE, TurnFormat
+from data.trajectory import Trajectory
+
+
+class Bucket(NamedTuple):
+    tokens: int  # T
+    image_tokens: int  # Nb, merged units; the bucket holds Pb = Nb * Q patches
+    windows: int  # Wb
+
+
+def check_buckets(buckets: Sequence[Sequence[int]]) -> tuple[Bucket, ...]:
+    """Buckets as `Bucket`s, sorted; raises if a field is not a positive int or not monotone."""
+    out = []
+    for b in buckets:
+        if len(b) != 3 or not all(isinstance(x, (int, np.integer)) and x >= 1 for x in b):
+            raise ValueError(f"bucket {tuple(b)} must be three positive ints (tokens, image_tokens, windows)")
+        out.append(Bucket(*(int(x) for x in b)))
+    if not out:
+        raise ValueError("buckets is empty: give at least one (tokens, image_tokens, windows) triple")
+    out.sort()
+    for a, b in zip(out, out[1:], strict=False):
+        if not all(x <= y for x, y in zip(a, b, strict=True)):
+            raise ValueError(
+                f"buckets must be non-decreasing in every field (so a batch fits its largest example's bucket); "
+                f"{a} and {b} are not"
+            )
+    return tuple(out)
+
+
+def choose_bucket(needs: Bucket, buckets: Sequence[Bucket]) -> int | None:
+    """Index of the first bucket that holds `needs`, or None."""
+    for i, b in enumerate(buckets):
+        if needs.tokens <= b.tokens and needs.image_tokens <= b.image_tokens and needs.windows <= b.windows:
+            return i
+    return None
+
+
+def num_windows(grid_thw: np.ndarray, cfg: VisionConfig) -> int:
+    """Windows `make_plan` lays out for these images (without bucket padding)."""
+    m, wm = cfg.spatial_merge_size, cfg.window_merged
+    return int(sum(int(t) * -(-(int(h) // m) // wm) * -(-(int(w) // m) // wm) for t, h, w in np.asarray(grid_thw)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One tokenized trajectory, unpadded. n tokens, I images, P patches."""
+
+    input_ids: np.ndarray  # int32[n]
+    trained: np.ndarray  # bool[n], True on assistant tokens
+    positions: np.ndarray  # int32[3, n]
+    pixel_values: np.ndarray  # float32[P, patch_dim]
+    grid_thw: np.ndarray  # int64[I, 3]
+    needs: Bucket
+    bucket: int | None  # None: fits no bucket
+    source: str
+
+
+def featurize(
+    traj: Trajectory,
+    processor,
+    model_cfg: ModelConfig,
+    buckets: Sequence[Bucket],
+    fmt: str | TurnFormat = CODE,
+) -> Example:
+    """Decode images (PIL), render, tokenize once, and compute M-RoPE positions and the bucket."""
+    images = [Image.open(io.BytesIO(b)) for b in traj.images]
+    pixel_values, grid = processor.encode_images(images)  # [P, patch_dim], [I, 3]
+    image_tokens = [int(n) for n in processor.num_image_tokens(grid)] if len(grid) else []
+    rendered = chat.render(traj.messages, image_tokens, fmt)
+    ids, trained = chat.tokenize(processor.tokenizer, rendered)
+    got = int((ids == model_cfg.image_token_id).sum())
+    if got != sum(image_tokens):  # cannot happen for validated records; guards tokenizer surprises
+        raise ValueError(f"{traj.source}: {got} image tokens after tokenization, {sum(image_tokens)} expected")
+    pos, _ = mrope_positions(
+        ids[None],
+        None,
+        grid if len(grid) else None,
+        image_token_id=model_cfg.image_token_id,
+        spatial_merge_size=model_cfg.vision.spatial_merge_size,
+    )
+    needs = Bucket(len(ids), sum(image_tokens), num_windows(grid, model_cfg.vision))
+    return Example(ids, trained, pos[:, 0], pixel_values, grid, needs, choose_bucket(needs, buckets), traj.source)
+
+
+def collate(
+    examples: Sequence[Example], bucket: Bucket, *, pad_id: int, vision_cfg: VisionConfig
+) -> dict[str, np.ndarray]:
+    """Pad `examples` into one batch of shape `bucket` (see the module docstring for the contract)."""
+    bsz, (t, nb, wb) = len(examples), bucket
+    q, u, pd = vision_cfg.merge_unit, vision_cfg.window_merged**2, vision_cfg.patch_dim
+    batch = {
+        "input_ids": np.full((bsz, t), pad_id, np.int32),
+        "attention_mask": np.zeros((bsz, t), np.int32),
+        "targets": np.full((bsz, t), pad_id, np.int32),
+        "loss_mask": np.zeros((bsz, t), np.float32),
+        "positions": np.zeros((3, bsz, t), np.int32),
+        "pixel_values": np.zeros((bsz, nb * q, pd), np.float32),
+        "unit_src": np.zeros((bsz, wb * u), np.int32),
+        "pos_hw": np.zeros((bsz, wb * u * q, 2), np.int32),
+        "image_id": np.zeros((bsz, wb * u), np.int32),
+        "out_index": np.zeros((bsz, nb), np.int32),
+    }
+    for b, ex in enumerate(examples):
+        n = len(ex.input_ids)
+        if n > t or ex.needs.image_tokens > nb or ex.needs.windows > wb:
+            raise ValueError(f"{ex.source}: needs {ex.needs}, more than bucket {bucket}")
+        batch["input_ids"][b, :n] = ex.input_ids
+        batch["attention_mask"][b, :n] = 1
+        batch["targets"][b, : n - 1] = ex.input_ids[1:]
+        batch["loss_mask"][b, : n - 1] = ex.trained[1:]
+        batch["positions"][:, b, :n] = ex.positions
+        batch["pixel_values"][b, : len(ex.pixel_values)] = ex.pixel_values
+        plan = make_plan(ex.grid_thw, vision_cfg, num_windows=wb, num_units=nb)
+        batch["unit_src"][b] = plan.unit_src
+        batch["pos_hw"][b] = plan.pos_hw
+        batch["image_id"][b] = plan.image_id
+        batch["out_index"][b] = plan.out_index
+    batch["num_tokens"] = batch["loss_mask"].sum(axis=1).astype(np.int32)
+    return batch

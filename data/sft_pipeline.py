@@ -1,0 +1,183 @@
+"""The grain input pipeline for SFT: records -> tokenized examples -> bucketed, padded batches.
+
+    records[shard_index::shard_count]        disjoint per host (default: jax process index/count)
+      .shuffle(seed).repeat(num_epochs)      deterministic; each epoch reshuffled from the seed
+      .map(featurize)                        PIL decode, render, tokenize once, M-RoPE, bucket
+      -> to_iter_dataset(threads)            featurization runs in `num_threads` reader threads
+      .filter(fits a bucket)                 the rest is counted (kind "too_long", file:line)
+      .batch(batch_size, drop_remainder)     lists of examples
+    SftIterator.__next__: pad the batch to the largest bucket of its examples (`data.batching`)
+
+Batching takes consecutive examples and pads them to the largest bucket among them, rather than
+grouping examples per bucket: the iterator state is then just grain's read position (no buffered
+partial batches to checkpoint), and a resumed run continues at exactly the same batch. The cost
+is padding when a short example shares a batch with a long one; the number of shapes stays one
+per bucket.
+
+Multi-host: every host must feed the same shapes to a step, so with `process_count > 1` the
+hosts agree on the batch bucket (the max of their choices, one tiny allgather per batch) before
+padding. Use `num_epochs=None` (repeat forever, stop after a number of steps) across hosts: shards
+differ by at most one record, and a host that ran out first would leave the others waiting.
+
+`get_state()/set_state()` (JSON-serializable; grain's orbax `CheckpointHandler` accepts the
+iterator) hold grain's read position and the too-long counts, so a restored iterator continues at
+the same data position. The order depends on (seed, shard_index, shard_count, batch_size).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+from codedance_jax.model.config import ModelConfig
+from data import batching, sft_tfds
+from data.batching import Bucket, Example
+from data.observation import CODE, TurnFormat
+from data.trajectory import DataReport, Problem, handle_problem
+
+log = logging.getLogger(__name__)
+
+
+def max_bucket_across_hosts(index: int) -> int:
+    """The largest bucket index any host chose for this step (identity on one process)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return index
+    from jax.experimental import multihost_utils
+
+    return int(np.max(multihost_utils.process_allgather(np.asarray(index, np.int32))))
+
+
+class SftIterator(grain.DatasetIterator):
+    """Yields batch dicts (see `data.batching`); checkpointable with get_state/set_state."""
+
+    def __init__(
+        self,
+        parent: grain.DatasetIterator,
+        buckets: Sequence[Bucket],
+        *,
+        pad_id: int,
+        vision_cfg,
+        report: DataReport,
+        agree_bucket: Callable[[int], int],
+    ):
+        super().__init__(parent)
+        self.buckets = tuple(buckets)
+        self.report = report
+        self._pad_id, self._vision_cfg, self._agree = pad_id, vision_cfg, agree_bucket
+        self.last_bucket: int | None = None  # index of the bucket of the last batch (for metrics)
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        examples: list[Example] = next(self._parent)
+        idx = self._agree(max(ex.bucket for ex in examples))
+        self.last_bucket = idx
+        return batching.collate(examples, self.buckets[idx], pad_id=self._pad_id, vision_cfg=self._vision_cfg)
+
+    def get_state(self) -> dict[str, Any]:
+        return {"grain": self._parent.get_state(), "too_long": int(self.report.counts["too_long"])}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._parent.set_state(state["grain"])
+        self.report.counts["too_long"] = int(state.get("too_long", 0))
+
+
+def make_sft_iterator(
+    source: Any,
+    processor,
+    model_cfg: ModelConfig,
+    *,
+    batch_size: int,
+    buckets: Sequence[Sequence[int]],
+    seed: int = 0,
+    shard_index: int | None = None,
+    shard_count: int | None = None,
+    num_epochs: int | None = 1,
+    turn_format: str | TurnFormat = CODE,
+    on_error: str = "skip",
+    num_threads: int = 4,
+    prefetch: int = 16,
+    drop_remainder: bool = True,
+    agree_bucket: Callable[[int], int] | None = None,
+) -> SftIterator:
+    """Batches for the SFT step.
+
+    Args:
+      source: a random-access source of records (`sft_tfds.open_source(...)`, or a sequence of
+        `Trajectory`), or a dataset directory `{data_dir}/sft_trajectories/{name}/{version}`.
+      processor: `codedance_jax.processing.Processor` (tokenizer + image processor).
+      model_cfg: the model's config (vision plan and image token id).
+      buckets: (tokens, image_tokens, windows) triples, non-decreasing in every field.
+      shard_index, shard_count: this host's shard; default `jax.process_index()/process_count()`.
+      num_epochs: passes over this host's shard; None repeats forever.
+      on_error: "skip" counts examples that fit no bucket (kind "too_long"); "stop" raises.
+      agree_bucket: maps this host's batch bucket index to the one all hosts use; default
+        `max_bucket_across_hosts` (identity on one process).
+    """
+    if shard_index is None or shard_count is None:
+        import jax
+
+        shard_index, shard_count = jax.process_index(), jax.process_count()
+    if not 0 <= shard_index < shard_count:
+        raise ValueError(f"shard_index {shard_index} is not in [0, shard_count={shard_count})")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    _check_processor(processor, model_cfg)
+    buckets = batching.check_buckets(buckets)
+    if isinstance(source, (str, os.PathLike)):
+        import tensorflow_datasets as tfds
+
+        source = tfds.builder_from_directory(os.fspath(source)).as_data_source(split="train")
+    if len(source) < shard_count:
+        raise ValueError(f"{len(source)} records cannot be split over {shard_count} hosts")
+    report = DataReport()
+    lock = threading.Lock()
+
+    def featurize(record) -> Example:
+        return batching.featurize(sft_tfds.to_trajectory(record), processor, model_cfg, buckets, turn_format)
+
+    def fits(ex: Example) -> bool:
+        if ex.bucket is not None:
+            return True
+        file, _, line = ex.source.rpartition(":")
+        problem = Problem(
+            file, int(line) if line.isdigit() else 0, "too_long", f"needs {ex.needs}; largest bucket {buckets[-1]}"
+        )
+        with lock:
+            if report.counts["too_long"] < 20:
+                log.warning("skipping example: %s", problem)
+            handle_problem(problem, report, on_error)
+        return False
+
+    ds = grain.MapDataset.source(source)[shard_index::shard_count]
+    ds = ds.shuffle(seed=seed).repeat(num_epochs).map(featurize)
+    opts = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
+    it_ds = ds.to_iter_dataset(opts).filter(fits).batch(batch_size, drop_remainder=drop_remainder, batch_fn=list)
+    return SftIterator(
+        iter(it_ds),
+        buckets,
+        pad_id=processor.pad_id,
+        vision_cfg=model_cfg.vision,
+        report=report,
+        agree_bucket=agree_bucket or max_bucket_across_hosts,
+    )
+
+
+def _check_processor(processor, model_cfg: ModelConfig) -> None:
+    """The processor and the model must agree on patch layout and the image token."""
+    ic, vc = processor.image_config, model_cfg.vision
+    pairs = {
+        "image token id": (processor.image_token_id, model_cfg.image_token_id),
+        "merge_size": (ic.merge_size, vc.spatial_merge_size),
+        "patch_size": (ic.patch_size, vc.patch_size),
+        "temporal_patch_size": (ic.temporal_patch_size, vc.temporal_patch_size),
+    }
+    bad = {k: v for k, v in pairs.items() if v[0] != v[1]}
+    if bad:
+        raise ValueError(f"processor and model config disagree (processor, model): {bad}")
