@@ -5,8 +5,10 @@
         session = pool.new_session(files={"image.png": png_bytes})
         result = session.execute("from PIL import Image; Image.open('image.png').show()")
 
-Design: one warm zygote per pool (numpy, PIL, matplotlib/Agg, cv2 imported) forks a session; a
-session's holder process owns its variables and forks one child per cell. A successful child
+Design: one warm zygote per pool (numpy, PIL, matplotlib/Agg, cv2 imported) forks sessions and
+keeps a few set up ahead of demand (namespaces, cgroups, uid, Landlock, holder), so that
+`new_session` only hands one over and writes its files; a session's holder process owns its
+variables and forks one child per cell. A successful child
 becomes the next holder; a failed one is discarded, so the namespace rolls back for free. Files
 roll back from a mirror (sandbox.workdir). The supervisor of each session, outside the cell,
 enforces the time limit and kills leftovers. Layout: pool.py (trainer side), zygote.py,
@@ -34,7 +36,8 @@ Protected against, and by what (several layers per threat where the kernel allow
 - hangs: the limit is enforced by the supervisor with SIGKILL, so ignoring SIGALRM, C loops and
   blocked syscalls do not help; input(), cv2.imshow, plt.pause raise; stdin is /dev/null.
 - leftovers: after every cell all processes of the session but the holder are killed; closing a
-  session kills its pid-namespace init, which makes the kernel kill the rest; the zygote dies when
+  session makes its anchor kill its pid-namespace init, which makes the kernel kill the rest
+  (close returns once they are gone); the zygote dies when
   the trainer does (socket EOF, PDEATHSIG), taking every session with it.
 
 NOT protected against / limits:

@@ -106,8 +106,11 @@ def _run_cell(msg, namespace, cfg, streams, res_w, out_w, err_w) -> bool:
     _close(out_w)
     _close(err_w)
     try:
-        with open("/proc/self/oom_score_adj", "w") as f:
-            f.write("1000")  # under memory pressure the cell dies, not the holder with the state
+        fd = _open("/proc/self/oom_score_adj", os.O_WRONLY)
+        try:
+            _write(fd, b"1000")  # under memory pressure the cell dies, not the holder with the state
+        finally:
+            _close(fd)
     except OSError:
         pass
     # Soft limits only, so the next holder can lift them again; the cgroup is the hard bound.

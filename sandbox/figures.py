@@ -46,7 +46,7 @@ def figure_png(fig) -> bytes:
     if w * h * dpi * dpi > _limits["max_pixels"]:
         dpi = math.sqrt(_limits["max_pixels"] / (w * h)) * 0.99
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
+    fig.savefig(buf, format="png", dpi=dpi, pil_kwargs={"compress_level": 1})
     return buf.getvalue()
 
 

@@ -173,11 +173,15 @@ def lower_rlimit(which: int, soft: int, hard: int | None = None) -> None:
         pass
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
 def vm_size_bytes() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmSize:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    fd = os.open("/proc/self/statm", os.O_RDONLY)
+    try:
+        return int(os.read(fd, 256).split()[0]) * _PAGE
+    finally:
+        os.close(fd)
 
 
 # --- probes ------------------------------------------------------------------------------------

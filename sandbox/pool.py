@@ -28,8 +28,9 @@ from sandbox.result import ExecResult
 log = logging.getLogger("sandbox")
 
 _GRACE_S = 10.0  # how long past its own limit a supervisor may take before we kill the session
-_UID_BASE = 200_000  # session uids: unused on these machines, one per live session
-_uid_counter = itertools.count()
+_UID_BASE = 200_000  # session uids: unused on these machines; the zygote gives each live session
+# its own from a range of 1000 per pool
+_req_counter = itertools.count()
 
 
 class SandboxError(RuntimeError):
@@ -44,13 +45,15 @@ class SandboxPool:
     memory_mb: memory of a whole session (holder, cell, its children, its files in tmpfs).
     Keyword-only limits: max_output_bytes (per stream), disk_mb (the session's tmpfs),
     max_files (inodes in it), max_open_files, max_processes, max_images and max_image_pixels
-    (per cell), cpus_per_session (CFS quota).
+    (per cell), cpus_per_session (CFS quota), spare_sessions (sessions the zygote keeps set up
+    ahead of demand so that `new_session` only hands one over; default min(num_workers, 4)).
     """
 
     def __init__(self, num_workers: int = 4, timeout_s: float = 15.0, memory_mb: int = 2048, *,
                  max_output_bytes: int = 65536, disk_mb: int = 256, max_files: int = 4096,
                  max_open_files: int = 256, max_processes: int = 64, max_images: int = 8,
-                 max_image_pixels: int = 4_000_000, cpus_per_session: float = 1.0) -> None:
+                 max_image_pixels: int = 4_000_000, cpus_per_session: float = 1.0,
+                 spare_sessions: int | None = None) -> None:
         if os.geteuid() != 0:
             raise SandboxError("SandboxPool needs root (it creates namespaces, mounts and cgroups "
                                "for each session); run the trainer as root or in a container")
@@ -63,6 +66,9 @@ class SandboxPool:
                            max_open_files=max_open_files, max_processes=max_processes,
                            max_images=max_images, max_image_pixels=max_image_pixels,
                            cpus_per_session=cpus_per_session)
+        spares = min(num_workers, 4) if spare_sessions is None else int(spare_sessions)
+        zcfg = dict(self.config, spare_sessions=spares,
+                    uid_base=_UID_BASE + (os.getpid() % 100) * 1000)
         ours, theirs = socket.socketpair()
         pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"),
@@ -70,7 +76,7 @@ class SandboxPool:
                "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                "PYTHONDONTWRITEBYTECODE": "1"}
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "sandbox.zygote", str(theirs.fileno()), json.dumps(self.config)],
+            [sys.executable, "-m", "sandbox.zygote", str(theirs.fileno()), json.dumps(zcfg)],
             pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL, cwd="/")
         theirs.close()
         self._zygote = ours
@@ -90,35 +96,39 @@ class SandboxPool:
         for layer, why in self.layers["missing"].items():
             log.warning("sandbox: running without %s (%s)", layer, why)
         self._executor = concurrent.futures.ThreadPoolExecutor(num_workers, "sandbox")
+        self._slots = threading.BoundedSemaphore(num_workers)  # cells running at once
         atexit.register(self.close)
 
-    def _request(self, msg: dict, fds: list[int] | None = None) -> dict:
+    def _spawn(self) -> tuple[dict, list[int]]:
         with self._zlock:
             if self._closed:
                 raise SandboxError("the pool is closed")
-            wire.send_sock(self._zygote, msg, fds)
-            reply, _ = wire.recv_sock(self._zygote)
-        return reply
+            wire.send_sock(self._zygote, {"op": "spawn", "req": next(_req_counter)})
+            reply, fds = wire.recv_sock(self._zygote, max_fds=2)
+        if reply.get("op") != "spawned" or len(fds) != 2:
+            for fd in fds:
+                os.close(fd)
+            raise SandboxError(reply.get("error", f"unexpected zygote reply {reply}"))
+        return reply, fds
 
     def new_session(self, files: dict[str, bytes] | None = None) -> Session:
         """A fresh session whose working directory holds `files` (relative name -> bytes)."""
         sid = uuid.uuid4().hex[:12]
-        uid = _UID_BASE + (os.getpid() % 100) * 1000 + next(_uid_counter) % 1000
-        ours, theirs = socket.socketpair()
+        reply, (sess_fd, life_fd) = self._spawn()
+        ours = socket.socket(fileno=sess_fd)
+        session = Session(self, sid, ours, socket.socket(fileno=life_fd))
         try:
-            reply = self._request({"op": "spawn", "sid": sid, "uid": uid}, [theirs.fileno()])
-        finally:
-            theirs.close()
-        session = Session(self, sid, ours)
-        try:
-            wire.send_sock(ours, {"op": "init", "files": {
-                k: base64.b64encode(v).decode() for k, v in (files or {}).items()}})
+            items = [(str(k), memoryview(v).cast("B")) for k, v in (files or {}).items()]
+            # Raw bytes after the frame: no base64 or JSON for what may be megabytes of images.
+            wire.send_sock(ours, {"op": "init", "files": [[k, v.nbytes] for k, v in items]})
+            for _, v in items:
+                ours.sendall(v)
             ours.settimeout(30.0)
             ready, _ = wire.recv_sock(ours)
             ours.settimeout(None)
         except (wire.FrameError, OSError) as e:
             ready = {"op": "failed", "error": f"the session died during set-up ({e})"}
-        if ready.get("op") != "ready" or reply.get("supervisor", -1) <= 0:
+        if ready.get("op") != "ready":
             session.close()
             raise SandboxError(ready.get("error", "session set-up failed"))
         self._sessions.add(session)
@@ -153,8 +163,9 @@ class Session:
 
     workdir = "/tmp/work"  # the cells' working directory, as seen from inside the sandbox
 
-    def __init__(self, pool: SandboxPool, sid: str, sock: socket.socket) -> None:
-        self.pool, self.sid, self._sock = pool, sid, sock
+    def __init__(self, pool: SandboxPool, sid: str, sock: socket.socket,
+                 life: socket.socket) -> None:
+        self.pool, self.sid, self._sock, self._life = pool, sid, sock, life
         self._lock = threading.Lock()
         self._queue: collections.deque = collections.deque()
         self._busy = False
@@ -163,7 +174,20 @@ class Session:
 
     def execute(self, code: str) -> ExecResult:
         """Run one cell and wait for its result."""
-        return self.submit(code).result()
+        with self._lock:
+            if self._closed:
+                raise SandboxError(f"session {self.sid} is closed")
+            inline = not self._busy
+            if inline:
+                self._busy = True
+        if not inline:
+            return self.submit(code).result()
+        # Nothing queued: run it on the caller's thread (saves two thread hand-offs per cell).
+        try:
+            with self.pool._slots:
+                return self._run(code)
+        finally:
+            self._next()
 
     def submit(self, code: str) -> concurrent.futures.Future:
         """Queue one cell; the future resolves to its ExecResult. Cells of a session run in
@@ -183,9 +207,13 @@ class Session:
             code, fut = self._queue.popleft()
         if fut.set_running_or_notify_cancel():
             try:
-                fut.set_result(self._run(code))
+                with self.pool._slots:
+                    fut.set_result(self._run(code))
             except BaseException as e:  # noqa: BLE001 - the caller sees it on the future
                 fut.set_exception(e)
+        self._next()
+
+    def _next(self) -> None:
         with self._lock:
             if self._queue:
                 self.pool._executor.submit(self._drain)
@@ -221,10 +249,16 @@ class Session:
         return reply.get("memory_bytes")
 
     def _kill(self) -> None:
+        """Ask the session's anchor to kill it; returns once every process of it is gone (the
+        anchor exits only then, which closes its end of the life socket)."""
+        life = self._life
         try:
-            self.pool._request({"op": "kill", "sid": self.sid})
-        except (SandboxError, OSError, wire.FrameError):
-            pass  # the zygote is gone, and with it every session
+            life.settimeout(None)
+            life.send(b"k")
+            while life.recv(64):
+                pass
+        except OSError:
+            pass  # the anchor is gone already (or the zygote, and with it every session)
 
     def close(self) -> None:
         """Kill the session's processes (returns once they are gone) and drop its files.
@@ -237,6 +271,7 @@ class Session:
                 self._queue.popleft()[1].cancel()
         self._kill()
         self._sock.close()
+        self._life.close()
         self.pool._sessions.discard(self)
 
     def __enter__(self) -> Session:

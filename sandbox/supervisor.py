@@ -2,9 +2,12 @@
 
 Process tree of a session (forked from the zygote, which runs as root and never runs user code):
 
-    anchor    stays in the host pid namespace; reaps the supervisor; dies with the zygote
+    anchor    stays in the host pid namespace; reaps the supervisor; dies with the zygote;
+    │         kills the session when the pool closes (or writes to) the session's life socket
     └ supervisor   pid 1 of a new pid/mount/net/ipc/uts namespace; sets up mounts and cgroups as
-      │            root, then drops to the session uid; never runs user code, so it is trusted.
+      │            root, then drops to the session uid and forks the holder (all of this may
+      │            happen ahead of demand, see zygote.py), then writes the pool's input files;
+      │            never runs user code, so it is trusted.
       └ holder     owns the session's namespace of variables; forks one child per cell
         └ cell     runs the user's code; on success it becomes the next holder
 
@@ -32,8 +35,12 @@ from sandbox.workdir import Snapshot
 _PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def anchor_main(sess_fd: int, report_fd: int, spec: dict) -> None:
-    """Runs in the zygote's child: make the namespaces, fork the supervisor, wait for it."""
+def anchor_main(sess_fd: int, life_fd: int, spec: dict) -> None:
+    """Runs in the zygote's child: make the namespaces, fork the supervisor, then wait until it
+    dies or the pool asks (a byte or EOF on the life socket) to kill the session. Exiting closes
+    the life socket, which tells the pool that every process of the session is gone: the
+    supervisor is pid 1 of the session's pid namespace, and the kernel reaps it only after every
+    other process in that namespace is gone."""
     isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
     flags = (isolation.CLONE_NEWPID | isolation.CLONE_NEWNS | isolation.CLONE_NEWIPC
              | isolation.CLONE_NEWUTS)
@@ -43,19 +50,33 @@ def anchor_main(sess_fd: int, report_fd: int, spec: dict) -> None:
         isolation.unshare(flags)
         pid = os.fork()
     except OSError as e:
-        os.write(report_fd, struct.pack("i", -1))
         _fail(sess_fd, f"could not create the session's namespaces: {e}")
         os._exit(1)
     if pid == 0:
-        os.close(report_fd)
+        os.close(life_fd)
         try:
             _supervisor_main(sess_fd, spec)
         except BaseException:  # noqa: BLE001 - report set-up failures to the pool, then die
             _fail(sess_fd, "session set-up failed:\n" + traceback.format_exc())
         os._exit(1)
-    os.write(report_fd, struct.pack("i", pid))
-    os.close(report_fd)
     os.close(sess_fd)
+    poller = select.poll()
+    poller.register(life_fd, select.POLLIN)
+    try:
+        pidfd = os.pidfd_open(pid)  # our unreaped child: the pid cannot have been reused
+        poller.register(pidfd, select.POLLIN)
+    except (AttributeError, OSError):
+        pidfd = None
+    while True:
+        try:
+            events = poller.poll(None if pidfd is not None else 200)
+        except InterruptedError:
+            continue
+        if any(fd == life_fd for fd, _ in events):
+            os.kill(pid, signal.SIGKILL)
+            break
+        if events or pidfd is None and os.waitpid(pid, os.WNOHANG)[0]:
+            break
     while True:
         try:
             os.waitpid(pid, 0)
@@ -140,19 +161,41 @@ def _join_cgroups(spec: dict) -> dict[str, int]:
     return fds
 
 
-def _write_files(files: dict, uid: int) -> None:
-    for name, b64 in files.items():
-        norm = os.path.normpath(name)
-        if os.path.isabs(norm) or norm.startswith(".."):
+def _receive_files(sock, listing, max_bytes: int) -> None:
+    """The pool's input files: (name, size) pairs in the init frame, then their raw bytes."""
+    if not isinstance(listing, list):
+        raise ValueError("malformed file listing")
+    total = 0
+    paths = []
+    for name, size in listing:
+        norm = os.path.normpath(str(name))
+        if os.path.isabs(norm) or norm.startswith("..") or norm == ".":
             raise ValueError(f"input file name {name!r} must be a relative path inside the "
                              "working directory")
-        path = os.path.join(cell.WORKDIR, norm)
+        if not isinstance(size, int) or size < 0:
+            raise ValueError(f"bad size for input file {name!r}")
+        total += size
+        paths.append((os.path.join(cell.WORKDIR, norm), size))
+    if total > max_bytes:
+        raise ValueError(f"input files of {total} bytes do not fit the session's "
+                         f"{max_bytes >> 20} MB disk")
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    for path, size in paths:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(base64.b64decode(b64))
-    for dirpath, dirnames, filenames in os.walk(cell.WORKDIR):
-        for n in dirnames + filenames:
-            os.lchown(os.path.join(dirpath, n), uid, uid)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        try:
+            left = size
+            while left:
+                n = sock.recv_into(view, min(left, len(buf)))
+                if not n:
+                    raise wire.FrameError("the pool closed the channel while sending files")
+                mv = view[:n]
+                while mv:
+                    mv = mv[os.write(fd, mv):]
+                left -= n
+        finally:
+            os.close(fd)
 
 
 def _landlock_rules(extra_rw: list) -> list:
@@ -169,8 +212,6 @@ def _supervisor_main(sess_fd: int, spec: dict) -> None:
     uid = spec["uid"]
     mirror = _mount_private_dirs(spec, uid)
     cg = _join_cgroups(spec)
-    init, _ = wire.recv_sock(sock)
-    _write_files(init.get("files", {}), uid)
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
@@ -181,8 +222,6 @@ def _supervisor_main(sess_fd: int, spec: dict) -> None:
         isolation.landlock_restrict(_landlock_rules([mirror]), abi)
     else:
         isolation.prctl(isolation.PR_SET_NO_NEW_PRIVS, 1)
-    snapshot = Snapshot("/tmp", mirror)
-    snapshot.sync()
     ours, theirs = socket.socketpair()
     pid = os.fork()
     if pid == 0:
@@ -191,6 +230,12 @@ def _supervisor_main(sess_fd: int, spec: dict) -> None:
         cell.holder_main(theirs, spec, holder_rules, abi)
         os._exit(0)
     theirs.close()
+    # Everything above can happen ahead of demand (a spare session); the pool's files come now.
+    # They are written as the session's uid, before any user code runs.
+    init, _ = wire.recv_sock(sock)
+    _receive_files(sock, init.get("files", []), spec["disk_mb"] << 20)
+    snapshot = Snapshot("/tmp", mirror)
+    snapshot.sync()
     Supervisor(sock, ours, pid, spec, snapshot, cg).serve()
 
 
@@ -367,8 +412,9 @@ class Supervisor:
     def _kill_all_but(self, keep: int) -> None:
         """SIGKILL every process of the session except us and `keep`, until none is left.
 
-        The loop converges under a fork bomb: killed processes cannot fork, and the pids cgroup
-        caps how many new ones can appear between two passes."""
+        Each pass waits (on pidfds, not by polling /proc) until its victims have exited. The
+        loop converges under a fork bomb: killed processes cannot fork, and the pids cgroup caps
+        how many new ones can appear between two passes."""
         me = os.getpid()
         for attempt in range(2000):
             victims = []
@@ -379,13 +425,37 @@ class Supervisor:
                     victims.append(int(name))
             if not victims:
                 break
+            poller, fds = select.poll(), []
             for pid in victims:
+                try:
+                    fd = os.pidfd_open(pid)
+                except OSError:
+                    fd = None  # gone already (or no pidfds: fall back to polling /proc)
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
+                if fd is not None:
+                    fds.append(fd)
+                    poller.register(fd, select.POLLIN)
             self._reap()
-            if attempt:
+            deadline = time.monotonic() + 0.2
+            waiting = len(fds)
+            while waiting:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    ready = poller.poll(left * 1000)
+                except InterruptedError:
+                    continue
+                for fd, _ in ready:
+                    poller.unregister(fd)
+                    waiting -= 1
+                self._reap()  # victims we are the parent of stay zombies until reaped
+            for fd in fds:
+                os.close(fd)
+            if not fds and attempt:
                 time.sleep(0.0005)
         self._reap()
 

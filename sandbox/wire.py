@@ -1,7 +1,9 @@
 """Length-prefixed JSON frames between the pool, the zygote, supervisors and cells.
 
 Every hop that can carry bytes written by user code is parsed as JSON with a size cap, never
-unpickled: a supervisor or the trainer must not execute anything a cell sends it.
+unpickled: a supervisor or the trainer must not execute anything a cell sends it. (The one raw
+stream is trainer -> supervisor: a session's input files follow its init frame as plain bytes,
+their sizes listed in the frame.)
 """
 
 from __future__ import annotations

@@ -18,13 +18,17 @@ import os
 import stat
 import time
 
-_COARSE_NS = 50_000_000  # a change within one timestamp tick of a sync must not look unchanged
+# Inode timestamps come from the kernel's coarse clock (or finer). A file stamped before the tick
+# in which we looked cannot change later without getting a newer ctime; one stamped within the
+# last tick could (same timestamp), so it is copied again at the next sync. One tick of margin.
+_REALTIME_COARSE = getattr(time, "CLOCK_REALTIME_COARSE", 5)  # Linux's number; Python lacks it
+_TICK_NS = max(int(time.clock_getres(_REALTIME_COARSE) * 1e9), 1_000_000)
 
 
 def _sig(st: os.stat_result, kind: str, since_ns: int):
     if kind == "d":
         return ("d", stat.S_IMODE(st.st_mode))
-    if max(st.st_ctime_ns, st.st_mtime_ns) >= since_ns - _COARSE_NS:
+    if max(st.st_ctime_ns, st.st_mtime_ns) >= since_ns - _TICK_NS:
         return None  # too recent to trust timestamps: treat as changed next time
     return (kind, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, stat.S_IMODE(st.st_mode))
 
@@ -46,7 +50,7 @@ class Snapshot:
         self.manifest: dict[str, tuple] = {}  # rel path -> (kind, sig) as mirrored
 
     def _walk(self) -> dict[str, tuple]:
-        now = time.time_ns()
+        now = time.clock_gettime_ns(_REALTIME_COARSE)
         out: dict[str, tuple] = {}
         stack = [""]
         while stack:

@@ -5,9 +5,12 @@ start-up environment through /proc/self/environ, so nothing secret may be in it)
 never runs user code. It exits, killing every session, when the pool's end of its socket closes,
 which also happens when the trainer dies.
 
-Requests (JSON frames): {"op": "spawn", "sid", "uid"} with the session's socket attached, answered
-with the anchor and supervisor pids; {"op": "kill", "sid"}, answered once every process of that
-session is gone.
+It keeps `spare_sessions` sessions ready ahead of demand: namespaces, mounts, cgroups, uid and
+Landlock done and the holder forked, waiting only for the pool's input files. A session owns a
+uid from a pool-wide range while it lives. Request (JSON frames): {"op": "spawn", "req"}, answered
+with {"op": "spawned", "req", "anchor", "uid"} and two sockets attached: the session's (to its
+supervisor) and its life socket (to its anchor, which kills the whole session and exits when that
+socket closes or gets a byte; the pool sees EOF on it once every process of the session is gone).
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import os
 import select
 import signal
 import socket
-import struct
 import sys
 
 
@@ -86,17 +88,58 @@ def main() -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     wire.send_sock(ctl, {"op": "hello", "layers": layers, "pid": os.getpid()})
-    sessions: dict[str, dict] = {}
-    by_anchor: dict[int, str] = {}
+    n_spares = max(0, int(cfg.get("spare_sessions", 0)))
+    uid_base = int(cfg["uid_base"])
+    free_uids = list(range(uid_base + _MAX_SESSIONS - 1, uid_base - 1, -1))
+    spares: list[dict] = []      # set up up to the holder, waiting for the pool's files
+    sessions: dict[int, dict] = {}  # anchor pid -> session (spare or handed to the pool)
+    counter = 0
 
-    def finished(sid: str) -> None:
-        s = sessions.pop(sid)
-        by_anchor.pop(s["anchor"], None)
+    def spawn() -> dict:
+        """Fork the anchor of a new session; it sets itself up while we go on serving."""
+        nonlocal counter
+        if not free_uids:
+            raise OSError(f"more than {_MAX_SESSIONS} live sessions")
+        counter += 1
+        key = f"s{counter}"
+        dirs = {}
+        for ctl_name, base in bases.items():
+            dirs[ctl_name] = os.path.join(base, key)
+            os.mkdir(dirs[ctl_name])
+        uid = free_uids.pop()
+        spec = dict(cfg, uid=uid, cgroups=dirs, layers=layers)
+        sess_pool, sess_sup = socket.socketpair()
+        life_pool, life_anchor = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            # Only this session's own ends: a copy of another session's socket would keep that
+            # session alive after the pool closed it.
+            for fd in [ctl.fileno(), wake_r, wake_w, sess_pool.fileno(), life_pool.fileno()] + [
+                    x.fileno() for s in spares for x in (s["sess"], s["life"])]:
+                os.close(fd)
+            anchor_main(sess_sup.detach(), life_anchor.detach(), spec)
+            os._exit(0)
+        sess_sup.close()
+        life_anchor.close()
+        s = {"anchor": pid, "uid": uid, "cgroups": dirs, "sess": sess_pool, "life": life_pool}
+        sessions[pid] = s
+        return s
+
+    def finished(pid: int) -> None:
+        s = sessions.pop(pid)
+        for x in ("sess", "life"):
+            if s.get(x) is not None:
+                s[x].close()
+        if s in spares:
+            spares.remove(s)
         for d in s["cgroups"].values():
             try:
                 os.rmdir(d)
             except OSError:
                 pass
+        free_uids.append(s["uid"])
 
     def reap() -> None:
         while True:
@@ -106,67 +149,65 @@ def main() -> None:
                 return
             if pid == 0:
                 return
-            if pid in by_anchor:
-                finished(by_anchor[pid])
+            if pid in sessions:
+                finished(pid)
 
     try:
         while True:
-            ready, _, _ = select.select([ctl, wake_r], [], [])
+            idle = len(spares) < n_spares
+            ready, _, _ = select.select([ctl, wake_r], [], [], 0 if idle else None)
             if wake_r in ready:
                 os.read(wake_r, 4096)
                 reap()
             if ctl not in ready:
+                if idle:
+                    try:
+                        spares.append(spawn())
+                    except OSError as e:
+                        print(f"sandbox zygote: could not prepare a session: {e}",
+                              file=sys.stderr)
+                        n_spares = 0
                 continue
             try:
                 msg, fds = wire.recv_sock(ctl, max_fds=1)
             except (wire.FrameError, OSError):
                 return
-            if msg.get("op") == "spawn" and len(fds) == 1:
-                sid = msg["sid"]
-                dirs = {}
-                for ctl_name, base in bases.items():
-                    dirs[ctl_name] = os.path.join(base, sid)
-                    os.mkdir(dirs[ctl_name])
-                spec = dict(cfg, uid=msg["uid"], cgroups=dirs, layers=layers)
-                r, w = os.pipe()
-                pid = os.fork()
-                if pid == 0:
-                    signal.set_wakeup_fd(-1)
-                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                    for fd in (ctl.fileno(), wake_r, wake_w, r):
-                        os.close(fd)
-                    anchor_main(fds[0], w, spec)
-                    os._exit(0)
-                os.close(w)
-                os.close(fds[0])
-                data = b""
-                while len(data) < 4:
-                    try:
-                        chunk = os.read(r, 4 - len(data))
-                    except InterruptedError:
-                        continue
-                    if not chunk:
-                        break
-                    data += chunk
-                os.close(r)
-                spid = struct.unpack("i", data)[0] if len(data) == 4 else -1
-                sessions[sid] = {"anchor": pid, "supervisor": spid, "cgroups": dirs}
-                by_anchor[pid] = sid
-                wire.send_sock(ctl, {"op": "spawned", "anchor": pid, "supervisor": spid})
-            elif msg.get("op") == "kill":
-                _kill(sessions.get(msg.get("sid")))
-                reap()
-                if msg.get("sid") in sessions:
-                    finished(msg["sid"])
-                wire.send_sock(ctl, {"op": "killed"})
+            for fd in fds:
+                os.close(fd)
+            req = msg.get("req")
+            if msg.get("op") == "spawn":
+                try:
+                    s = spares.pop(0) if spares else spawn()
+                except OSError as e:
+                    wire.send_sock(ctl, {"op": "error", "req": req, "error": str(e)})
+                    continue
+                wire.send_sock(ctl, {"op": "spawned", "req": req, "anchor": s["anchor"],
+                                     "uid": s["uid"]},
+                               [s["sess"].fileno(), s["life"].fileno()])
+                # The pool now holds the only other ends; the anchor watches its end.
+                s["sess"].close()
+                s["life"].close()
+                s["sess"] = s["life"] = None
             else:
-                for fd in fds:
-                    os.close(fd)
-                wire.send_sock(ctl, {"op": "error", "error": f"unknown request {msg.get('op')!r}"})
+                wire.send_sock(ctl, {"op": "error", "req": req,
+                                     "error": f"unknown request {msg.get('op')!r}"})
     finally:
-        for sid in list(sessions):
-            _kill(sessions.get(sid))
-            finished(sid)
+        # Closing a spare's life socket makes its anchor kill the session and exit; the pool
+        # holds the life sockets of the others, so their anchors are killed (their supervisors
+        # follow by PDEATHSIG, taking their namespaces with them).
+        for pid, s in sessions.items():
+            if s.get("life") is None:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            for x in ("sess", "life"):
+                if s.get(x) is not None:
+                    s[x].close()
+                    s[x] = None
+        for pid in list(sessions):
+            _wait(pid)
+            finished(pid)
         for base in bases.values():
             try:
                 os.rmdir(base)
@@ -174,19 +215,18 @@ def main() -> None:
                 pass
 
 
-def _kill(s: dict | None) -> None:
-    """Kill a session's supervisor (pid 1 of its namespace: the kernel then kills the rest) and
-    wait for its anchor, which exits only after the whole namespace is gone."""
-    if s is None:
-        return
-    try:
-        os.kill(s["supervisor"] if s["supervisor"] > 0 else s["anchor"], signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        os.waitpid(s["anchor"], 0)
-    except ChildProcessError:
-        pass
+_MAX_SESSIONS = 1000  # uids per pool, one per live session
+
+
+def _wait(pid: int) -> None:
+    while True:
+        try:
+            os.waitpid(pid, 0)
+            return
+        except ChildProcessError:
+            return
+        except InterruptedError:
+            continue
 
 
 if __name__ == "__main__":

@@ -178,3 +178,21 @@ def test_nothing_left_running_after_close(pool):
     assert len(_uids_running(uid)) >= 2                # supervisor and holder at least
     s.close()
     assert _uids_running(uid) == []
+
+
+def test_same_size_rewrite_right_after_start_is_kept(pool):
+    # The file mirror trusts timestamps only for files older than one clock tick; a rewrite
+    # (same size) right after the session's files were mirrored must still be committed.
+    for i in range(3):
+        with pool.new_session(files={"a.txt": b"0000"}) as s:
+            assert s.execute(f"open('a.txt', 'w').write('{i}' * 4)").status == "ok"
+            assert s.execute("open('a.txt', 'w').write('xxxx')\nraise ValueError").status == "error"
+            assert s.execute("print(open('a.txt').read())").stdout == f"{i}{i}{i}{i}\n"
+
+
+def test_pool_without_spare_sessions(pool):
+    from sandbox import SandboxPool
+
+    with SandboxPool(num_workers=1, timeout_s=2.0, memory_mb=256, spare_sessions=0) as p:
+        with p.new_session(files={"f.txt": b"hi"}) as s:
+            assert s.execute("print(open('f.txt').read())").stdout == "hi\n"
