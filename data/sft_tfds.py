@@ -67,9 +67,13 @@ class SftTrajectories(tfds.core.GeneratorBasedBuilder):
         return {"train": self._generate_examples(self.builder_config.jsonl_paths)}
 
     def _generate_examples(self, paths: Sequence[str]):
+        index = {os.path.abspath(p): i for i, p in enumerate(paths)}
         for traj in read_jsonl(paths, on_error=self.builder_config.on_error, report=self.report):
+            # The key fixes the record order TFDS shuffles into; it names the file by its position
+            # in the list, not its path, so the same files built anywhere give the same order.
+            file, _, line = traj.source.rpartition(":")
             yield (
-                traj.source,
+                f"{index.get(os.path.abspath(file), file)}:{line}",
                 {
                     "id": traj.id,
                     "source": traj.source,
