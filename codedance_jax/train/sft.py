@@ -87,7 +87,7 @@ def train_step(state: TrainState, batch: dict, rng, *, mdef: ModelDef, tx, sched
         "loss": loss_sum / denom,
         "loss_tokens": n,
         "tokens": batch["attention_mask"].sum().astype(jnp.float32),
-        "grad_norm": optax.global_norm(grads),
+        "grad_norm": optax.tree.norm(grads),
         "lr": schedule(state.step),
     }
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,

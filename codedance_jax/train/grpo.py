@@ -1,0 +1,103 @@
+"""The GRPO update: recompute log-probs of finished trajectories, clipped loss, one optimizer step.
+
+One jitted sharded step per global batch of trajectories. It scans over micro-batches (the
+log-prob recompute is the memory peak), passing the step's global sequence/token count as the
+loss denominator so micro-batch losses and gradients add up to the full-batch ones, then applies
+the optimizer once. State, mesh, shardings and checkpoints are the training core's (`train.state`,
+`train.checkpointing`); the batch carries the SFT fields plus
+
+    old_logprobs float32[B, T]  sampling policy's log-probs of targets (0 off the loss mask)
+    ref_logprobs float32[B, T]  frozen reference's, only when KL is on
+    turn_ids     int32[B, T]    turn of each trained target token, -1 elsewhere
+    a_seq        float32[B]     sequence advantages (R_BAT kernel)
+    a_turn       float32[B, M]  turn advantages (R_BAT kernel)
+
+all aligned with `targets` (position t predicts token t + 1).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from codedance_jax.rl.grpo_loss import GRPOLossConfig, grpo_loss
+from codedance_jax.train.logprobs import output_weight, token_logprobs
+from codedance_jax.train.sft import hidden_states, split_micro
+from codedance_jax.train.state import ModelDef, TrainState
+
+GRPO_FIELDS = ("old_logprobs", "ref_logprobs", "turn_ids", "a_seq", "a_turn")
+
+
+def policy_logprobs(params, batch, mdef: ModelDef, *, temperature: float = 1.0, chunk: int = 512, with_entropy=False):
+    """Log-probs of `targets` under `params` (log-softmax of logits / temperature, as sampled)."""
+    model, h = hidden_states(mdef, params, batch)
+    return token_logprobs(h, output_weight(model), batch["targets"], temperature=temperature, chunk=chunk,
+                          with_entropy=with_entropy)
+
+
+def global_denom(batch, cfg: GRPOLossConfig):
+    mask = (batch["loss_mask"] > 0) & (batch["turn_ids"] >= 0)
+    if cfg.aggregation == "token_mean":
+        return mask.sum().astype(jnp.float32)
+    return (mask.sum(axis=1) > 0).sum().astype(jnp.float32)
+
+
+def grpo_train_step(state: TrainState, batch: dict, rng, *, mdef: ModelDef, tx, schedule, loss_cfg: GRPOLossConfig,
+                    accum_steps: int = 1, temperature: float = 1.0, chunk: int = 512):
+    del rng
+    denom = global_denom(batch, loss_cfg)
+
+    def loss_fn(params, mb):
+        lp, ent = policy_logprobs(params, mb, mdef, temperature=temperature, chunk=chunk, with_entropy=True)
+        return grpo_loss(lp, mb["old_logprobs"], mb.get("ref_logprobs"), mb["loss_mask"], mb["turn_ids"],
+                         mb["a_seq"], mb["a_turn"], loss_cfg, entropy=ent, denom=denom)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+
+    def micro(carry, mb):
+        g_acc, m_acc = carry
+        (_, m), g = grad_fn(state.params, mb)
+        w = m["n_tokens"]  # token-weighted averages of the per-token metrics
+        m_acc = {k: m_acc[k] + (m[k] * w if k in TOKEN_METRICS else m[k]) for k in m_acc}
+        return (jax.tree.map(jnp.add, g_acc, g), m_acc), None
+
+    # Metric names come from one abstract evaluation of the loss.
+    names = jax.eval_shape(lambda p, b: loss_fn(p, b)[1], state.params, batch if accum_steps == 1 else
+                           jax.tree.map(lambda x: x[0], split_micro(batch, accum_steps)))
+    m0 = {k: jnp.zeros((), jnp.float32) for k in names}
+    if accum_steps == 1:
+        (g, m), _ = micro((zeros, m0), batch)
+    else:
+        (g, m), _ = jax.lax.scan(micro, (zeros, m0), split_micro(batch, accum_steps))
+    n_tok = jnp.maximum(m["n_tokens"], 1.0)
+    metrics = {k: (v / n_tok if k in TOKEN_METRICS else v) for k, v in m.items()}
+    updates, opt_state = tx.update(g, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics.update(grad_norm=optax.tree.norm(g), lr=schedule(state.step))
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+    return new_state, metrics
+
+
+# Per-token means inside the loss: re-weighted by token counts across micro-batches. The others
+# (pg_loss, kl_ref, loss: already divided by the global denominator; n_tokens: a count) are sums.
+TOKEN_METRICS = ("clip_frac", "ppo_kl", "ratio_mean", "adv_mean", "entropy")
+
+
+def make_grpo_step(mdef: ModelDef, tx, schedule, loss_cfg, state_sh, batch_sh, mesh, *, accum_steps=1,
+                   temperature=1.0, chunk=512):
+    replicated = NamedSharding(mesh, PartitionSpec())
+    fn = functools.partial(grpo_train_step, mdef=mdef, tx=tx, schedule=schedule, loss_cfg=loss_cfg,
+                           accum_steps=accum_steps, temperature=temperature, chunk=chunk)
+    return jax.jit(fn, in_shardings=(state_sh, batch_sh, replicated), out_shardings=(state_sh, replicated), donate_argnums=0)
+
+
+def make_logprob_fn(mdef: ModelDef, params_sh, batch_sh, mesh, *, temperature=1.0, chunk=512):
+    """jit: log-probs of targets under given params (old-policy or reference recompute)."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    fn = functools.partial(policy_logprobs, mdef=mdef, temperature=temperature, chunk=chunk)
+    return jax.jit(lambda p, b: fn(p, b), in_shardings=(params_sh, batch_sh), out_shardings=replicated)
