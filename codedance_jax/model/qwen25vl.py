@@ -12,6 +12,7 @@ Two levels of API:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -202,7 +203,9 @@ class Qwen25VL(nnx.Module):
         return _jit_forward(self, p["input_ids"], p["positions"], p["attention_mask"], p["vis"])
 
 
-@nnx.jit
+# Tree mode: graph-mode nnx.jit returns every Variable as an output, copying the whole model on
+# each call; a forward never mutates the model.
+@functools.partial(nnx.jit, graph=False)
 def _jit_forward(model, input_ids, positions, attention_mask, vis):
     return model.forward(input_ids, positions, attention_mask, vis)
 

