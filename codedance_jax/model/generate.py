@@ -5,7 +5,9 @@ it computes the chunk's M-RoPE positions on the host starting at each row's `cac
 (so images in the chunk get the positions they would have in a full forward), encodes the
 chunk's images in one batched vision call, and writes the chunk into the cache.
 `greedy_decode` is a `lax.fori_loop` over one-token `extend` steps inside one jit.
-The rollout sampler (temperature, top-p/k, stop strings) builds on the same `extend`.
+The rollout sampler (temperature, top-p/k, stop strings; `codedance_jax.rollout`) builds on the
+same `extend`; `compact_cache` / `drop_slots` keep a long multi-turn batch inside the static cache,
+and `vision_inputs` / `encode_vision` / `extend_arrays` are the bucketed array-level entries it uses.
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ from codedance_jax.model import rope
 from codedance_jax.model.qwen25vl import KVCache, Qwen25VL, VisionInputs, check_placeholders
 
 
-@nnx.jit
+# Tree mode (graph=False): graph-mode `nnx.jit` returns every model Variable as a jit output, so each
+# call copied all parameters (~700 MB for the benchmark model, ~0.4 s on CPU) even though nothing
+# changed. Inference never mutates the model, so tree mode loses nothing here.
+@functools.partial(nnx.jit, graph=False)
 def _encode(model: Qwen25VL, vis: VisionInputs):
     return model.encode_images(vis)
 
 
-@functools.partial(nnx.jit, static_argnames=("last_only",), donate_argnames=("cache",))
+@functools.partial(nnx.jit, static_argnames=("last_only",), donate_argnames=("cache",), graph=False)
 def _extend(model: Qwen25VL, cache: KVCache, ids, mask, positions, feats, last_only: bool):
     if last_only:
         # Last real token of each row (chunks may be right-padded within the row).
@@ -86,3 +91,69 @@ def greedy_decode(model: Qwen25VL, cache: KVCache, first_logits, steps: int):
     """Greedy tokens [B, steps] from the logits after prefill; one compiled loop, no host syncs."""
     graphdef, state = nnx.split(model)
     return _greedy(graphdef, state, cache, first_logits, steps)
+
+
+# ------------------------------------------------------------------ cache maintenance for rollouts
+# The cache's write index is shared by the batch, so every decode step and every appended chunk
+# uses a slot in every row, also in rows that sit out (holes). Two helpers keep a long multi-turn
+# batch inside a fixed S: `drop_slots` invalidates slots (tokens sampled past a stop string, or a
+# whole finished row), and `compact_cache` moves each row's valid slots to the front. Moving slots
+# is exact: keys are stored already rotated by their M-RoPE position, and every cached slot is
+# before any query of the next chunk, so attention only sees the set of valid slots, not their order.
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def compact_cache(cache: KVCache) -> KVCache:
+    """Each row's valid slots first (in order), holes after; `index` = the longest row's length."""
+    s = cache.max_len
+    slot = jnp.arange(s, dtype=jnp.int32)[None, :]
+    order = jnp.argsort(jnp.where(cache.valid, slot, slot + s), axis=1)  # [B, S] stable by construction
+
+    def gather(x):  # [B, S, K, H]
+        return jnp.take_along_axis(x, order[:, :, None, None], axis=1)
+
+    return KVCache(
+        k=tuple(gather(x) for x in cache.k),
+        v=tuple(gather(x) for x in cache.v),
+        valid=jnp.take_along_axis(cache.valid, order, axis=1),
+        index=jnp.max(jnp.sum(cache.valid, axis=1)).astype(jnp.int32),
+        next_pos=cache.next_pos,
+    )
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def drop_slots(cache: KVCache, drop_bs, rewind_b) -> KVCache:
+    """Invalidates slots drop_bs bool[B, S] and moves each row's next position back by rewind_b int[B]."""
+    return cache.replace(valid=cache.valid & ~drop_bs, next_pos=cache.next_pos - rewind_b.astype(jnp.int32))
+
+
+# ------------------------------------------------------------------ bucketed array-level entries
+# The rollout engine computes positions itself (it tracks each row's next position on the host)
+# and pads every shape to a bucket, so it calls the jitted pieces directly.
+
+
+def vision_inputs(pixel_values, image_grid_thw, cfg, *, num_windows: int, num_units: int) -> VisionInputs:
+    """`VisionInputs` padded to a bucket, pixel rows included (zeros past the real patches), so that
+    calls with different images but the same bucket share one compiled vision tower."""
+    from codedance_jax.model import vision
+
+    plan = vision.make_plan(image_grid_thw, cfg.vision, num_windows=num_windows, num_units=num_units)
+    pv = np.asarray(pixel_values, np.float32).reshape(-1, cfg.vision.patch_dim)
+    rows = num_units * cfg.vision.merge_unit
+    if pv.shape[0] != plan.num_units * cfg.vision.merge_unit:
+        raise ValueError(f"pixel_values has {pv.shape[0]} patch rows but image_grid_thw describes "
+                         f"{plan.num_units * cfg.vision.merge_unit}; pass the processor's outputs together")
+    pv = np.concatenate([pv, np.zeros((rows - pv.shape[0], pv.shape[1]), np.float32)])
+    arrays = (pv, plan.unit_src, plan.pos_hw, plan.image_id, plan.out_index)
+    return VisionInputs(*(jnp.asarray(a)[None] for a in arrays))
+
+
+def encode_vision(model: Qwen25VL, vis: VisionInputs):
+    """float[1, num_units, D]: image features (one compiled call per bucket)."""
+    return _encode(model, vis)
+
+
+def extend_arrays(model: Qwen25VL, cache: KVCache, ids, mask, positions, feats=None, *, last_only: bool = True):
+    """`extend` with host-computed positions int[3, B, C]; last_only gives each row's last real token's logits."""
+    return _extend(model, cache, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32), jnp.asarray(positions),
+                   feats, last_only)

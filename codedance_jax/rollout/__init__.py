@@ -1,0 +1,38 @@
+"""Multi-turn rollouts: jit sampling over the KV cache, sandbox turns, images mid-trajectory (SPEC §2).
+
+    from codedance_jax.rollout import RolloutEngine, RolloutConfig, SamplingConfig, rl_prompt
+    engine = RolloutEngine(model, processor, RolloutConfig.train(), SamplingConfig(temperature=1.0, seed=0))
+    trajectories, stats = engine.rollout([rl_prompt(processor, "q0", question, [image])], group_size=8, sandbox=pool)
+    save_jsonl(trajectories, workdir)
+
+Files: sampler.py (jit decode loop, sampling, stop table), engine.py (the turn loop), turns.py (code
+extraction, observations), record.py (trajectory records, JSON lines), prompts.py (RL template),
+buckets.py (shape buckets, compile counter).
+"""
+
+from codedance_jax.rollout.buckets import CompileCounter
+from codedance_jax.rollout.engine import RolloutConfig, RolloutEngine, RolloutStats
+from codedance_jax.rollout.prompts import Prompt, rl_prompt, session_files
+from codedance_jax.rollout.record import Trajectory, load_jsonl, save_jsonl
+from codedance_jax.rollout.sampler import SamplingConfig, StopTable, build_stop_table, sample
+from codedance_jax.rollout.turns import build_observation, extract_answer, extract_code
+
+__all__ = [
+    "CompileCounter",
+    "Prompt",
+    "RolloutConfig",
+    "RolloutEngine",
+    "RolloutStats",
+    "SamplingConfig",
+    "StopTable",
+    "Trajectory",
+    "build_observation",
+    "build_stop_table",
+    "extract_answer",
+    "extract_code",
+    "load_jsonl",
+    "rl_prompt",
+    "sample",
+    "save_jsonl",
+    "session_files",
+]

@@ -1,0 +1,702 @@
+"""The multi-turn rollout engine: sample on device, run code in the sandbox, append observations.
+
+    engine = RolloutEngine(model, processor, RolloutConfig.train(), SamplingConfig(temperature=1.0))
+    trajectories, stats = engine.rollout(prompts, group_size=8, sandbox=pool)
+
+Each prompt becomes `group_size` rows of one static batch (padded to a bucket) sharing one KV
+cache. A row is in one phase: `decode` (sampling its current turn), `exec` (its code runs in its
+own sandbox session, created with the prompt's images), `ready` (its observation is tokenized and
+waits to be appended) or `done`.
+
+The loop (overlap mode):
+  1. rows whose cell finished get their observation built (text truncated, images resized and
+     capped, tokenized alone: it starts with `<|im_end|>`);
+  2. all `ready` rows are appended in ONE chunk: their images in one batched vision call, M-RoPE
+     positions from each row's next position (tracked on the host), the other rows sitting out
+     with mask 0; the logits of each appended row's last token seed its next turn;
+  3. the `decode` rows run one `decode_chunk` (N steps); rows in `exec` sit out, so the device
+     keeps decoding while code runs; a row that closes a code block submits it at once;
+  4. with nothing to decode, the host blocks on the first finished cell (device idle time).
+Sequential mode (`overlap=False`, the baseline): all rows decode until every running row ends
+its turn, then all cells run, then all observations are appended, turn by turn.
+
+Token in, token out: a trajectory's `tokens` are the prompt ids, then per turn the sampled ids
+and the observation ids, exactly as written into the cache. When the host finds a stop string
+that the device check missed (it ended inside a longer token), the turn is cut after the token
+that completes it and the tokens sampled past it are removed from the cache (`drop_slots`), so
+the cache always holds exactly `tokens`.
+
+Failure handling: a sandbox error, timeout or crash (and an exception from the pool, or a missing
+session) becomes an error observation and a failed turn; a malformed code block is answered with
+an error observation without running anything; a trajectory that hits a budget ends with a
+`finish_reason`; an exception while handling one row ends that row (`finish_reason="error"`,
+message in `error`), never the batch.
+
+The last allowed turn's code is still executed (its status is part of the R_BAT signal) but
+nothing is appended after it (`finish_reason="max_turns"`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from codedance_jax.model import rope
+from codedance_jax.model.generate import compact_cache, drop_slots, encode_vision, extend_arrays, vision_inputs
+from codedance_jax.rollout import turns as turn_lib
+from codedance_jax.rollout.buckets import CompileCounter, round_up, token_bucket, vision_bucket
+from codedance_jax.rollout.prompts import Prompt, session_files
+from codedance_jax.rollout.record import Trajectory
+from codedance_jax.rollout.sampler import Sampler, SamplingConfig, build_stop_table
+from data.observation import get_turn_format
+
+Script = Callable[[int, int], "str | None"]  # (row, turn) -> text the policy is forced to write, or None
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Budgets, buckets and observation limits of a rollout.
+
+    max_turns M: assistant turns per trajectory (6 train, 10 eval). max_turn_tokens: sampled tokens
+    per turn; max_new_tokens: sampled tokens per trajectory; max_total_tokens: the whole sequence
+    (prompt, sampled and observation tokens). decode_chunk: decode steps per device call (the host
+    checks stops, submits code and appends observations between calls).
+    """
+
+    turn_format: str = "code"
+    max_turns: int = 6
+    max_turn_tokens: int = 1024
+    max_new_tokens: int = 4096
+    max_total_tokens: int = 8192
+    decode_chunk: int = 32
+    batch_multiple: int = 8
+    prompt_buckets: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
+    obs_buckets: tuple[int, ...] = (64, 256, 1024)
+    vision_min_units: int = 64
+    obs_max_chars: int = 2000
+    obs_max_images: int = 4
+    obs_max_pixels: int = 1024 * 28 * 28
+    overlap: bool = True
+    cache_len: int | None = None  # default: max_total_tokens + the larger of decode_chunk and obs bucket
+    exec_deadline_s: float | None = None  # give up on a cell after this long (the pool has its own limit)
+    policy: str | None = None  # recorded in each trajectory (the checkpoint that samples)
+
+    @classmethod
+    def train(cls, **kw) -> RolloutConfig:
+        return cls(**{"max_turns": 6, **kw})
+
+    @classmethod
+    def eval(cls, **kw) -> RolloutConfig:
+        return cls(**{"max_turns": 10, **kw})
+
+    @property
+    def max_obs_tokens(self) -> int:
+        return max(self.obs_buckets)
+
+    @property
+    def cache_slots(self) -> int:
+        return self.cache_len or self.max_total_tokens + max(self.decode_chunk, self.max_obs_tokens)
+
+
+@dataclasses.dataclass
+class RolloutStats:
+    """Wall-clock accounting of one rollout (seconds) and counts."""
+
+    wall_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    append_s: float = 0.0
+    vision_s: float = 0.0
+    device_wait_s: float = 0.0  # the host blocked on the sandbox with nothing to decode
+    sandbox_busy_s: float = 0.0  # wall time with at least one cell in flight
+    host_s: float = 0.0  # everything else (tokenizing, stop checks, bookkeeping)
+    trajectories: int = 0
+    generated_tokens: int = 0
+    decode_steps: int = 0
+    decode_chunks: int = 0
+    appends: int = 0
+    executions: int = 0
+    compactions: int = 0
+    rollbacks: int = 0
+    compiles: int = 0
+
+    @property
+    def device_idle_frac(self) -> float:
+        """Fraction of wall time the device waited for the sandbox."""
+        return self.device_wait_s / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def sandbox_idle_frac(self) -> float:
+        """Fraction of wall time with no cell in flight (the sandbox waited for the device)."""
+        return 1.0 - self.sandbox_busy_s / self.wall_s if self.wall_s else 0.0
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(device_idle_frac=self.device_idle_frac, sandbox_idle_frac=self.sandbox_idle_frac)
+        return d
+
+
+@dataclasses.dataclass
+class _Row:
+    traj: Trajectory
+    uid: int
+    session: Any = None
+    session_error: str | None = None
+    phase: str = "decode"  # decode | queued | exec | ready | done | pad
+    turn: int = 0
+    next_pos: int = 0
+    sampled: int = 0
+    turn_ids: list = dataclasses.field(default_factory=list)
+    turn_lps: list = dataclasses.field(default_factory=list)
+    turn_slots: list = dataclasses.field(default_factory=list)
+    forced: list = dataclasses.field(default_factory=list)
+    code: str | None = None
+    future: Any = None
+    submitted_at: float = 0.0
+    obs: Any = None
+    last_turn: bool = False
+    slots_held: bool = True
+
+
+class RolloutEngine:
+    """Batched multi-turn rollouts of one policy (see the module docstring)."""
+
+    def __init__(self, model, processor, cfg: RolloutConfig | None = None, sampling: SamplingConfig | None = None):
+        self.model, self.processor = model, processor
+        self.cfg = cfg or RolloutConfig()
+        self.sampling = sampling or SamplingConfig()
+        self.fmt = get_turn_format(self.cfg.turn_format)
+        mcfg = model.cfg
+        self.vocab_limit = min(len(processor.tokenizer), mcfg.text.vocab_size)
+        stops = build_stop_table(processor.tokenizer, turn_lib.stop_strings(self.fmt), mcfg.text.vocab_size)
+        self.sampler = Sampler(model, stops, self.sampling, self.vocab_limit, self.cfg.decode_chunk)
+        self.hist_len = stops.history
+        self.pad_id = processor.pad_id
+        self._compiles = CompileCounter()
+
+    # ------------------------------------------------------------------------------ public
+    def rollout(
+        self,
+        prompts: Sequence[Prompt],
+        group_size: int = 1,
+        sandbox=None,
+        *,
+        script: Script | None = None,
+        seed_offset: int = 0,
+    ) -> tuple[list[Trajectory], RolloutStats]:
+        """Roll out every prompt `group_size` times. `sandbox`: a `SandboxPool` (or anything with
+        `new_session(files=) -> session` whose `submit(code)` returns a Future[ExecResult]).
+        `script(row, turn)`: text forced for that turn (scripted policies in tests; None = sample).
+        Returns trajectories in row order (prompt-major, group members contiguous) and stats."""
+        t0 = time.perf_counter()
+        start_compiles = CompileCounter.total()
+        self.stats = RolloutStats()
+        self._cells: list[tuple[float, float | None]] = []
+        rows = self._make_rows(prompts, group_size, seed_offset)
+        b = round_up(len(rows), self.cfg.batch_multiple)
+        self.rows = rows + [self._pad_row(i) for i in range(len(rows), b)]
+        self.cache = self.model.init_cache(b, self.cfg.cache_slots)
+        self.index = 0
+        self.logits = None
+        self.script = script
+        try:
+            self._prefill(prompts, group_size)
+            self._open_sessions(prompts, group_size, sandbox)
+            self._loop()
+        finally:
+            for r in self.rows:
+                if r.future is not None:
+                    r.future.cancel()
+                if r.session is not None:
+                    try:
+                        r.session.close()
+                    except Exception:  # noqa: BLE001 - closing is best effort; the pool cleans up
+                        pass
+        st = self.stats
+        st.wall_s = time.perf_counter() - t0
+        st.sandbox_busy_s = _union_length(self._cells, t0, t0 + st.wall_s)
+        st.host_s = st.wall_s - (st.prefill_s + st.decode_s + st.append_s + st.vision_s + st.device_wait_s)
+        st.trajectories = len(rows)
+        st.generated_tokens = sum(int(np.sum(r.traj.loss_mask)) for r in rows)
+        st.compiles = CompileCounter.total() - start_compiles
+        return [r.traj for r in rows], st
+
+    # ------------------------------------------------------------------------------ setup
+    def _make_rows(self, prompts, group_size, seed_offset) -> list[_Row]:
+        rows = []
+        for p in prompts:
+            for g in range(group_size):
+                k = len(rows)
+                traj = Trajectory(
+                    id=f"{p.id}-{g}",
+                    prompt_id=p.id,
+                    group=g,
+                    prompt_len=0,
+                    tokens=[],
+                    loss_mask=[],
+                    turn_ids=[],
+                    logprobs=[],
+                    temperature=self.sampling.temperature,
+                    images=list(p.images),
+                    image_grid_thw=[],
+                    turn_status=[],
+                    turns=[],
+                    policy=self.cfg.policy,
+                )
+                rows.append(_Row(traj=traj, uid=seed_offset + k))
+        return rows
+
+    def _pad_row(self, i) -> _Row:
+        traj = Trajectory(
+            id="",
+            prompt_id="",
+            group=0,
+            prompt_len=0,
+            tokens=[],
+            loss_mask=[],
+            turn_ids=[],
+            logprobs=[],
+            temperature=0.0,
+            images=[],
+            image_grid_thw=[],
+            turn_status=[],
+            turns=[],
+        )
+        return _Row(traj=traj, uid=0, phase="pad")
+
+    def _prefill(self, prompts, group_size):
+        t0 = time.perf_counter()
+        encoded = []
+        for p in prompts:
+            enc = self.processor(text=[p.text], images=p.images or None)
+            encoded.append(enc)
+        seqs, pvs, grids = [], [], []
+        for r_i, r in enumerate(self.rows):
+            if r.phase == "pad":
+                seqs.append(np.zeros((0,), np.int32))
+                continue
+            enc = encoded[r_i // group_size]
+            ids = np.asarray(enc["input_ids"][0], np.int32)
+            seqs.append(ids)
+            r.traj.tokens = ids.tolist()
+            r.traj.prompt_len = len(ids)
+            r.traj.loss_mask = [0] * len(ids)
+            r.traj.turn_ids = [-1] * len(ids)
+            r.traj.logprobs = [0.0] * len(ids)
+            if "pixel_values" in enc:
+                pvs.append(enc["pixel_values"])
+                grids.append(enc["image_grid_thw"])
+                r.traj.image_grid_thw = np.asarray(enc["image_grid_thw"]).tolist()
+        length = token_bucket(max(len(s) for s in seqs), self.cfg.prompt_buckets, "a prompt")
+        if length > self.cfg.max_total_tokens:
+            raise ValueError(f"prompt bucket {length} > max_total_tokens {self.cfg.max_total_tokens}")
+        ids = np.full((len(self.rows), length), self.pad_id, np.int32)
+        mask = np.zeros_like(ids)
+        for i, s in enumerate(seqs):  # left padding: every row's last prompt token in the last column
+            ids[i, length - len(s) :] = s
+            mask[i, length - len(s) :] = 1
+        pv = np.concatenate(pvs) if pvs else None
+        grid = np.concatenate(grids) if grids else None
+        self.stats.prefill_s += time.perf_counter() - t0
+        rows = np.array([r.phase != "pad" for r in self.rows])
+        self._write_chunk(ids, mask, pv, grid, rows, start=np.zeros(len(self.rows), np.int32), kind="prefill")
+        for r in self.rows:
+            if r.phase != "pad":
+                self._start_turn(r)
+
+    def _open_sessions(self, prompts, group_size, sandbox):
+        files = [session_files(p.images) for p in prompts]
+        for i, r in enumerate(self.rows):
+            if r.phase == "pad":
+                continue
+            if sandbox is None:
+                r.session_error = "no sandbox was given to the rollout"
+                continue
+            try:
+                r.session = sandbox.new_session(files=files[i // group_size])
+            except Exception as e:  # noqa: BLE001 - a row without a session answers code with a crash
+                r.session_error = f"{type(e).__name__}: {e}"
+
+    # ------------------------------------------------------------------------------ device calls
+    def _ensure_room(self, n: int):
+        if self.index + n <= self.cache.max_len:
+            return
+        done = np.array([r.phase in ("done", "pad") and r.slots_held for r in self.rows])
+        if done.any():
+            self.cache = drop_slots(
+                self.cache,
+                jnp.asarray(np.repeat(done[:, None], self.cache.max_len, 1)),
+                jnp.zeros(len(self.rows), jnp.int32),
+            )
+            for r, d in zip(self.rows, done, strict=True):
+                r.slots_held = r.slots_held and not d
+        self.cache = compact_cache(self.cache)
+        self.index = int(self.cache.index)
+        self.stats.compactions += 1
+        for r in self.rows:  # slot numbers of a running turn are stale after compaction
+            r.turn_slots = []
+        if self.index + n > self.cache.max_len:
+            raise RuntimeError(f"the KV cache ({self.cache.max_len} slots) cannot hold the batch: raise cache_len")
+
+    def _write_chunk(self, ids, mask, pv, grid, rows_b, start, kind):
+        """Append a [B, C] chunk (rows_b: which rows take part); positions start at `start`."""
+        cfg = self.model.cfg
+        t0 = time.perf_counter()
+        self._ensure_room(ids.shape[1])
+        pos, next_pos = rope.mrope_positions(
+            ids,
+            mask,
+            grid,
+            image_token_id=cfg.image_token_id,
+            spatial_merge_size=cfg.vision.spatial_merge_size,
+            start=start,
+        )
+        feats = None
+        if pv is not None:
+            tv = time.perf_counter()
+            vis = vision_inputs(pv, grid, cfg, **vision_bucket(grid, cfg, self.cfg.vision_min_units))
+            feats = jax.block_until_ready(encode_vision(self.model, vis))
+            self.stats.vision_s += time.perf_counter() - tv
+            t0 += time.perf_counter() - tv
+        logits, self.cache = extend_arrays(self.model, self.cache, ids, mask, pos, feats, last_only=True)
+        if self.logits is None:
+            self.logits = logits
+        else:
+            self.logits = _merge_rows(jnp.asarray(rows_b), logits, self.logits)
+        jax.block_until_ready(self.logits)
+        self.index += ids.shape[1]
+        for r, nxt, on in zip(self.rows, next_pos, rows_b, strict=True):
+            if on:
+                r.next_pos = int(nxt)
+        dt = time.perf_counter() - t0
+        if kind == "prefill":
+            self.stats.prefill_s += dt
+        else:
+            self.stats.append_s += dt
+            self.stats.appends += 1
+
+    # ------------------------------------------------------------------------------ the loop
+    def _loop(self):
+        overlap = self.cfg.overlap
+        while True:
+            self._collect(block=False)
+            decoding = [r for r in self.rows if r.phase == "decode"]
+            waiting = [r for r in self.rows if r.phase in ("exec", "queued")]
+            ready = [r for r in self.rows if r.phase == "ready"]
+            if not overlap and not decoding:
+                queued = [r for r in self.rows if r.phase == "queued"]
+                for r in queued:
+                    self._submit(r)
+                if waiting:
+                    self._wait(all_of=True)
+                    continue
+            if ready and (overlap or not waiting):
+                self._append(ready)
+                continue
+            if decoding:
+                self._decode()
+                continue
+            if waiting:
+                self._wait(all_of=False)
+                continue
+            break
+
+    def _decode(self):
+        c = self.cfg
+        n = c.decode_chunk
+        self._ensure_room(n)
+        b = len(self.rows)
+        active = np.array([r.phase == "decode" for r in self.rows])
+        limit = np.zeros(b, np.int32)
+        hist = np.full((b, self.hist_len), -1, np.int32)
+        forced = np.full((b, n), -1, np.int32)
+        uid = np.array([r.uid for r in self.rows], np.int32)
+        count = np.array([r.sampled for r in self.rows], np.int32)
+        for i, r in enumerate(self.rows):
+            if not active[i]:
+                continue
+            limit[i] = self._limit(r)
+            if limit[i] == 0:  # a budget ran out exactly at the end of the last observation
+                active[i] = False
+                self._finish(r, "new_tokens" if r.sampled >= c.max_new_tokens else "length")
+                continue
+            h = r.turn_ids[-self.hist_len :]
+            if h:
+                hist[i, self.hist_len - len(h) :] = h
+            f = r.forced[:n]
+            forced[i, : len(f)] = f
+        t0 = time.perf_counter()
+        out, self.cache, self.logits = self.sampler.decode_chunk(
+            self.cache, self.logits, active, limit, hist, forced, uid, count
+        )
+        self.stats.decode_s += time.perf_counter() - t0
+        self.stats.decode_steps += out.steps
+        self.stats.decode_chunks += 1
+        self.index = out.start + out.steps
+        for i, r in enumerate(self.rows):
+            if not active[i]:
+                continue
+            try:
+                self._take_tokens(r, out, i)
+            except Exception as e:  # noqa: BLE001 - one row's failure must not stop the batch
+                self._fail(r, e)
+
+    def _limit(self, r: _Row) -> int:
+        c = self.cfg
+        seq = len(r.traj.tokens) + len(r.turn_ids)
+        return max(0, min(c.max_turn_tokens - len(r.turn_ids), c.max_new_tokens - r.sampled, c.max_total_tokens - seq))
+
+    def _take_tokens(self, r: _Row, out, i):
+        em = out.emitted[i]
+        steps = np.nonzero(em)[0]
+        toks = out.tokens[i, em]
+        r.turn_ids += toks.tolist()
+        r.turn_lps += out.logprobs[i, em].tolist()
+        r.turn_slots += (out.start + steps).tolist()
+        r.sampled += len(toks)
+        r.next_pos += len(toks)
+        del r.forced[: len(toks)]
+        text = self.processor.decode(r.turn_ids)
+        stop = turn_lib.find_stop(text, self.fmt)
+        if stop is None and out.active[i]:
+            return
+        if stop is not None and stop[1] in self.processor.decode(r.turn_ids[:-1]):
+            # The stop string was complete before the last token: the device missed its form.
+            self._cut_after_stop(r, stop[1])
+            text = self.processor.decode(r.turn_ids)
+        self._end_turn(r, text, stop[1] if stop else None)
+
+    def _cut_after_stop(self, r: _Row, stop: str):
+        """Keep the shortest prefix of the turn whose text holds `stop`; drop the rest from the cache."""
+        lo, hi = 1, len(r.turn_ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if stop in self.processor.decode(r.turn_ids[:mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        drop = len(r.turn_ids) - lo
+        if drop == 0:
+            return
+        # The dropped tokens all come from the last chunk (stops are checked after every chunk),
+        # whose slots are known even if a compaction reset the older ones.
+        slots = r.turn_slots[-drop:]
+        if len(slots) != drop:
+            raise RuntimeError("cannot roll back tokens sampled past a stop string: their cache slots are unknown")
+        mask = np.zeros((len(self.rows), self.cache.max_len), bool)
+        rewind = np.zeros(len(self.rows), np.int32)
+        row = self.rows.index(r)
+        mask[row, slots] = True
+        rewind[row] = drop
+        self.cache = drop_slots(self.cache, jnp.asarray(mask), jnp.asarray(rewind))
+        del r.turn_ids[lo:], r.turn_lps[lo:], r.turn_slots[lo:]
+        r.sampled -= drop
+        r.next_pos -= drop
+        self.stats.rollbacks += 1
+
+    def _start_turn(self, r: _Row):
+        r.phase = "decode"
+        r.turn_ids, r.turn_lps, r.turn_slots = [], [], []
+        r.forced = []
+        if self.script is not None:
+            text = self.script(self.rows.index(r), r.turn)
+            if text:
+                r.forced = list(self.processor.tokenizer.encode(text))
+
+    def _commit_turn(self, r: _Row):
+        t = r.traj
+        t.tokens += r.turn_ids
+        t.loss_mask += [1] * len(r.turn_ids)
+        t.turn_ids += [r.turn] * len(r.turn_ids)
+        t.logprobs += r.turn_lps
+
+    def _end_turn(self, r: _Row, text: str, stop: str | None):
+        self._commit_turn(r)
+        t = r.traj
+        t.turns.append({"status": None, "observation": "", "n_images": 0, "code": None, "stop": stop})
+        if stop == self.fmt.call_close:
+            t.num_tool_calls += 1
+            r.last_turn = r.turn + 1 >= self.cfg.max_turns
+            block = turn_lib.extract_code(text, self.fmt)
+            t.turns[-1]["code"] = block.code
+            if block.code is None:
+                self._observe(r, "error", "", f"Error: malformed code block: {block.error}.", [])
+            elif r.session is None:
+                self._observe(r, "crashed", "", f"Error: the sandbox session is unavailable ({r.session_error}).", [])
+            else:
+                r.code = block.code
+                r.phase = "queued"
+                if self.cfg.overlap:
+                    self._submit(r)
+            return
+        t.turn_status.append("no_code")
+        t.turns[-1]["status"] = "no_code"
+        if stop == turn_lib.ANSWER_CLOSE:
+            t.answer = turn_lib.extract_answer(text)
+            self._finish(r, "answer")
+        elif stop is not None:
+            self._finish(r, "stop")
+        elif len(r.turn_ids) >= self.cfg.max_turn_tokens:
+            self._finish(r, "turn_tokens")
+        elif r.sampled >= self.cfg.max_new_tokens:
+            self._finish(r, "new_tokens")
+        else:
+            self._finish(r, "length")
+
+    def _submit(self, r: _Row):
+        try:
+            r.future = r.session.submit(r.code)
+        except Exception as e:  # noqa: BLE001 - e.g. the session died: a crashed turn
+            self._observe(r, "crashed", "", f"Error: the sandbox refused the cell ({type(e).__name__}: {e}).", [])
+            return
+        r.phase = "exec"
+        r.submitted_at = time.perf_counter()
+        cell = [r.submitted_at, None]
+        self._cells.append(cell)
+        r.future.add_done_callback(lambda _f, cell=cell: cell.__setitem__(1, time.perf_counter()))
+        self.stats.executions += 1
+
+    def _wait(self, all_of: bool):
+        futs = [r.future for r in self.rows if r.phase == "exec"]
+        t0 = time.perf_counter()
+        if futs:
+            timeout = None
+            if self.cfg.exec_deadline_s is not None:
+                oldest = min(r.submitted_at for r in self.rows if r.phase == "exec")
+                timeout = max(0.0, oldest + self.cfg.exec_deadline_s - t0)
+            concurrent.futures.wait(
+                futs,
+                timeout=timeout,
+                return_when=concurrent.futures.ALL_COMPLETED if all_of else concurrent.futures.FIRST_COMPLETED,
+            )
+        self.stats.device_wait_s += time.perf_counter() - t0
+        self._collect(block=False)
+
+    def _collect(self, block: bool):
+        now = time.perf_counter()
+        for r in self.rows:
+            if r.phase != "exec":
+                continue
+            late = self.cfg.exec_deadline_s is not None and now - r.submitted_at > self.cfg.exec_deadline_s
+            if not (r.future.done() or late):
+                continue
+            r.traj.timings["sandbox_wait_s"] = r.traj.timings.get("sandbox_wait_s", 0.0) + now - r.submitted_at
+            fut, r.future = r.future, None
+            try:
+                if not fut.done():
+                    fut.cancel()
+                    self._observe(r, "timeout", "", f"[engine] no result after {self.cfg.exec_deadline_s} s", [])
+                    continue
+                try:
+                    res = fut.result()
+                except Exception as e:  # noqa: BLE001 - the pool failed this cell: a crash, as SPEC says
+                    self._observe(r, "crashed", "", f"[sandbox] {type(e).__name__}: {e}", [])
+                    continue
+                self._observe(r, res.status, res.stdout, res.stderr, list(res.images))
+                r.traj.num_executions += 1
+            except Exception as e:  # noqa: BLE001
+                self._fail(r, e)
+
+    def _observe(self, r: _Row, status: str, stdout: str, stderr: str, pngs: list[bytes]):
+        """Record the turn's execution status and build its observation (or end the trajectory)."""
+        c = self.cfg
+        t = r.traj
+        t.turn_status.append(status)
+        obs = turn_lib.build_observation(
+            self.processor,
+            self.fmt,
+            status,
+            stdout,
+            stderr,
+            pngs,
+            max_chars=c.obs_max_chars,
+            max_images=c.obs_max_images,
+            max_pixels=c.obs_max_pixels,
+            max_tokens=c.max_obs_tokens,
+        )
+        t.turns[-1].update(status=status, observation=obs.text, n_images=len(obs.images))
+        if r.last_turn:
+            self._finish(r, "max_turns")
+        elif len(t.tokens) + len(obs.ids) >= c.max_total_tokens:
+            self._finish(r, "length")
+        else:
+            r.obs = obs
+            r.phase = "ready"
+
+    def _append(self, ready: list[_Row]):
+        b = len(self.rows)
+        length = token_bucket(max(len(r.obs.ids) for r in ready), self.cfg.obs_buckets, "an observation")
+        ids = np.full((b, length), self.pad_id, np.int32)
+        mask = np.zeros((b, length), np.int32)
+        on = np.zeros(b, bool)
+        pvs, grids = [], []
+        for i, r in enumerate(self.rows):
+            if r.phase != "ready":
+                continue
+            n = len(r.obs.ids)
+            ids[i, :n] = r.obs.ids
+            mask[i, :n] = 1
+            on[i] = True
+            if r.obs.images:
+                pvs.append(r.obs.pixel_values)
+                grids.append(r.obs.grid_thw)
+        start = np.array([r.next_pos for r in self.rows], np.int32)
+        pv = np.concatenate(pvs) if pvs else None
+        grid = np.concatenate(grids) if grids else None
+        self._write_chunk(ids, mask, pv, grid, on, start, kind="append")
+        for i, r in enumerate(self.rows):
+            if not on[i]:
+                continue
+            t, obs = r.traj, r.obs
+            n = len(obs.ids)
+            t.tokens += obs.ids.tolist()
+            t.loss_mask += [0] * n
+            t.turn_ids += [-1] * n
+            t.logprobs += [0.0] * n
+            t.images += obs.images
+            if obs.grid_thw is not None:
+                t.image_grid_thw += np.asarray(obs.grid_thw).tolist()
+            r.obs = None
+            r.turn += 1
+            self._start_turn(r)
+
+    def _finish(self, r: _Row, reason: str):
+        r.phase = "done"
+        r.traj.finish_reason = reason
+
+    def _fail(self, r: _Row, e: BaseException):
+        r.traj.error = "".join(traceback.format_exception_only(type(e), e)).strip()
+        if r.future is not None:
+            r.future.cancel()
+            r.future = None
+        self._finish(r, "error")
+
+
+@jax.jit
+def _merge_rows(rows_b, new_bv, old_bv):
+    return jnp.where(rows_b[:, None], new_bv, old_bv)
+
+
+def _union_length(intervals, t0: float, t1: float) -> float:
+    """Total length of the union of [start, end) intervals (open ends run to t1)."""
+    spans = sorted((s, t1 if e is None else e) for s, e in intervals)
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in spans:
+        s, e = max(s, t0), min(e, t1)
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
