@@ -1,0 +1,84 @@
+"""The policy interface the evaluation runner drives, and its adapter to the rollout engine.
+
+    policy(prompts: list[EvalPrompt]) -> list[Trajectory]     # one trajectory per prompt, same order
+
+A `Trajectory` is `codedance_jax.rollout.Trajectory`, the SPEC section 2 record (tokens, loss_mask,
+turn_ids, logprobs, images, turn_status, turns, answer, ...). A policy also carries the
+`processor` that decodes its tokens (the report shows each turn's text).
+
+`RolloutPolicy` runs greedy multi-turn rollouts with `RolloutEngine` (SamplingConfig(greedy=True)),
+the paper's RL prompt (SPEC section 2) and a sandbox pool. `max_turns=0` asks for a text-only answer:
+the prompt leaves out the code instructions, the engine gets one turn and no sandbox (a code block
+written anyway gets a "sandbox unavailable" observation and ends the trajectory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from codedance_jax.rollout import Prompt, RolloutConfig, RolloutEngine, SamplingConfig, Trajectory, rl_prompt
+
+TEXT_ONLY_INSTRUCTION = (
+    "Think step-by-step within <think></think>. You must provide your final answer in\n<answer> </answer>."
+)
+
+
+@dataclasses.dataclass
+class EvalPrompt:
+    id: str  # the benchmark item's index
+    question: str
+    images: list[Any]  # PIL images
+
+
+class Policy(Protocol):
+    processor: Any
+
+    def __call__(self, prompts: Sequence[EvalPrompt]) -> list[Trajectory]: ...
+
+
+def text_only_prompt(processor, prompt_id: str, question: str, images: Sequence[Any]) -> Prompt:
+    content = [{"type": "image"} for _ in images]
+    content.append({"type": "text", "text": f"Question: {question}\n{TEXT_ONLY_INSTRUCTION}"})
+    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    return Prompt(prompt_id, text, list(images))
+
+
+class RolloutPolicy:
+    """Greedy rollouts of `model` through `RolloutEngine` (see the module docstring).
+
+    `rollout`: RolloutConfig fields (token budgets, buckets, observation limits); `sandbox`: a
+    `SandboxPool` (or anything with its `new_session` interface), None for no code execution;
+    `script(row, turn)`: forced text per turn (scripted policies in tests).
+    """
+
+    def __init__(
+        self,
+        model,
+        processor,
+        *,
+        max_turns: int = 10,
+        sandbox=None,
+        policy_path: str | None = None,
+        turn_format: str = "code",
+        rollout: dict | None = None,
+        script: Callable[[int, int], str | None] | None = None,
+    ):
+        self.processor, self.sandbox, self.script = processor, sandbox, script
+        self.max_turns, self.turn_format = max_turns, turn_format
+        cfg = RolloutConfig.eval(
+            **{**(rollout or {}), "max_turns": max(1, max_turns), "turn_format": turn_format, "policy": policy_path}
+        )
+        self.engine = RolloutEngine(model, processor, cfg, SamplingConfig(greedy=True))
+        self.stats: list[dict] = []
+
+    def __call__(self, prompts: Sequence[EvalPrompt]) -> list[Trajectory]:
+        if self.max_turns == 0:
+            ps = [text_only_prompt(self.processor, p.id, p.question, p.images) for p in prompts]
+        else:
+            ps = [rl_prompt(self.processor, p.id, p.question, p.images, self.turn_format) for p in prompts]
+        sandbox = None if self.max_turns == 0 else self.sandbox
+        trajs, stats = self.engine.rollout(ps, group_size=1, sandbox=sandbox, script=self.script)
+        self.stats.append(stats.as_dict())
+        return trajs
