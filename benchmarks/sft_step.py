@@ -91,6 +91,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--configs", default="tiny,small", help="comma list of: " + ",".join(CONFIGS))
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "sft_step_cpu.json"))
     args = ap.parse_args()
     steps = 4 if args.quick else args.steps
@@ -101,7 +102,8 @@ def main():
     sft_tfds.build_dataset([jsonl], os.path.join(tmp, "tfds"), "bench")
     source = sft_tfds.open_source(os.path.join(tmp, "tfds"), "bench")
     rows = []
-    for name, cfg in CONFIGS.items():
+    for name in args.configs.split(","):
+        cfg = CONFIGS[name]
         for mesh_shape in MESHES[:2] if args.quick else MESHES:
             r = run(name, cfg, mesh_shape, source, proc, steps, args.batch)
             rows.append(r)
@@ -109,6 +111,9 @@ def main():
                   f"{r['tokens_per_s_median']:8.1f} tok/s  {r['model_tflops_per_s'] * 1e3:7.1f} GFLOP/s  "
                   f"compiles {r['compilations']:2d} (buckets seen {r['buckets_seen']})", flush=True)
     load = os.getloadavg()
+    if os.path.exists(args.out):  # merge with rows of other configs measured earlier
+        with open(args.out) as f:
+            rows = [r for r in json.load(f).get("rows", []) if r["config"] not in args.configs.split(",")] + rows
     out = {"machine": f"{os.cpu_count()} CPU cores, 8 simulated JAX devices", "load_avg_end": load, "rows": rows,
            "jax": jax.__version__}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
