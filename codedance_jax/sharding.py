@@ -72,7 +72,7 @@ def named_sharding(mesh, axes, rules=None, shape=None) -> NamedSharding:
 def fit_spec(spec: PartitionSpec, shape, mesh) -> PartitionSpec:
     """Drops mesh axes that do not divide a dimension (tiny test models on 8 devices)."""
     out = []
-    for dim, s in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    for dim, s in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)), strict=True):
         axes = () if s is None else ((s,) if isinstance(s, str) else tuple(s))
         size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
         out.append(s if dim % size == 0 else None)

@@ -48,7 +48,7 @@ def write_synthetic_sft(out_dir: str, n: int, seed: int = 0) -> str:
                 crop = f"img/{i}_crop.png"
                 Image.open(os.path.join(out_dir, rel)).crop((0, 0, 56, 56)).save(os.path.join(out_dir, crop))
                 code = ("from PIL import Image\nimport numpy as np\nimg = np.array(Image.open('image.png'))\n"
-                        f"print(int(((img[..., 0] > 150) & (img[..., 1] < 100)).sum() // 121))")
+                        "print(int(((img[..., 0] > 150) & (img[..., 1] < 100)).sum() // 121))")
                 msgs = [{"role": "user", "content": q},
                         {"role": "assistant", "content": f"<think>Let me measure with code.</think>\n<code>\n```python\n{code}\n```\n</code>"},
                         {"role": "observation", "content": f"{counts[color]}", "num_images": 1},

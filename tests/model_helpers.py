@@ -15,7 +15,7 @@ def build_row(rng, cfg, grids, text_lens):
     text_lens has len(grids) + 1 entries: random text before, between and after the images.
     """
     row = list(rng.integers(10, 5000, text_lens[0]))
-    for g, n in zip(grids, text_lens[1:]):
+    for g, n in zip(grids, text_lens[1:], strict=True):
         row += [cfg.vision_start_token_id] + [cfg.image_token_id] * (int(np.prod(g)) // 4) + [cfg.vision_end_token_id]
         row += list(rng.integers(10, 5000, n))
     return row

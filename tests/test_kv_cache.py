@@ -25,7 +25,7 @@ def test_prefill_decode_append_equal_full_forward(tiny_pair):
 
     cache = model.init_cache(batch=2, max_len=96)
     logits_pre, cache = extend_host(model, cache, ids, mask, pv0, grids0)
-    seq_logits = [[lg for lg, m in zip(np.asarray(logits_pre[b]), mask[b]) if m] for b in range(2)]
+    seq_logits = [[lg for lg, m in zip(np.asarray(logits_pre[b]), mask[b], strict=True) if m] for b in range(2)]
     seqs = [list(r) for r in rows]
     images = [list(map(tuple, grids0[:1])), list(map(tuple, grids0[1:]))]
     patches = [pv0[: 24], pv0[24:]]

@@ -32,9 +32,7 @@ def load_hf_model(path, cfg: ModelConfig | None = None, *, mesh: jax.sharding.Me
     cfg = cfg or ModelConfig.from_hf_config(path)
     src = safetensors_io.SafetensorsDir(path)
     by_canon = {canonical_hf_name(k): k for k in src.keys()}
-    if cfg.text.tie_word_embeddings and "lm_head.weight" in by_canon:
-        # Tied checkpoints sometimes still carry lm_head; it must equal the embedding to be ignored.
-        pass
+    # A tied checkpoint may still carry `lm_head.weight`; the table does not ask for it, so it is ignored.
     wanted = {r.hf_name for r in rules(cfg)}
     missing = sorted(wanted - set(by_canon))
     if missing:

@@ -98,7 +98,7 @@ def write(path: str | os.PathLike, tensors: Iterable[tuple[str, np.ndarray]], *,
               [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     it: Iterator[tuple[str, np.ndarray]] = iter(tensors)
     weight_map, total = {}, 0
-    for fname, shard in zip(fnames, shards):
+    for fname, shard in zip(fnames, shards, strict=True):
         header, off = {"__metadata__": {"format": "pt", **(metadata or {})}}, 0
         for name in shard:
             shape, dtype = shapes[name]

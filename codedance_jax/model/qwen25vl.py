@@ -166,7 +166,7 @@ class Qwen25VL(nnx.Module):
         valid = jax.lax.dynamic_update_slice(cache.valid, chunk_mask, (0, cache.index))
         mask = text.cache_mask(valid, cache.index, c)
         x = self.embed_tokens(input_ids, image_feats)
-        h, kvs = self._decoder(x, positions, mask, list(zip(cache.k, cache.v)), cache.index)
+        h, kvs = self._decoder(x, positions, mask, list(zip(cache.k, cache.v, strict=True)), cache.index)
         chunk_next = jnp.max(jnp.where(chunk_mask, positions.max(axis=0), -1), axis=1) + 1
         new_cache = KVCache(
             k=tuple(kv[0] for kv in kvs),

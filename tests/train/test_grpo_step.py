@@ -73,5 +73,5 @@ def test_grpo_step_is_invariant_to_micro_batches_and_mesh(mesh_shape, accum):
     (l0, p0, c0), (l1, p1, c1) = results
     np.testing.assert_allclose(l1, l0, rtol=1e-5)
     np.testing.assert_allclose(c1, c0, rtol=1e-5)
-    diff = max(float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)))
+    diff = max(float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(p0), jax.tree.leaves(p1), strict=True))
     assert diff < 1e-5

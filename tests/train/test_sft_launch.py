@@ -78,7 +78,7 @@ def test_two_processes_train_and_checkpoint(tmp_path):
         for i in range(2)
     ]
     outs = [p.communicate(timeout=600)[0] for p in procs]
-    for p, out in zip(procs, outs):
+    for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-3000:]
     losses = _losses(workdir)
     assert sorted(losses) == [1, 2, 3] and all(np.isfinite(v) and v > 0 for v in losses.values())

@@ -49,7 +49,7 @@ def single_device(batches):
 
 
 def _max_param_diff(a, b):
-    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
 @pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 4, 1), (2, 2, 2)])
@@ -58,8 +58,8 @@ def test_mesh_shapes_give_the_single_device_losses_and_params(batches, single_de
     (observed ~1e-6: reductions are summed in a different order across shards)."""
     cfg, bs = batches
     base_l, base_p = single_device
-    l, p = _run(cfg, bs, mesh_shape)
-    np.testing.assert_allclose(l, base_l, rtol=1e-5)
+    losses, p = _run(cfg, bs, mesh_shape)
+    np.testing.assert_allclose(losses, base_l, rtol=1e-5)
     assert _max_param_diff(p, base_p) < 1e-5
     # the parameters really moved (a step that did nothing would also "match")
     _, p0 = _run(cfg, bs[:1], (1, 1, 1), steps=0)
