@@ -104,6 +104,11 @@ def _mount_private_dirs(spec: dict, uid: int) -> int:
     opts = (f"size={spec['disk_mb']}m,nr_inodes={spec['max_files'] + 64},mode=0700,"
             f"uid={uid},gid={uid}")
     flags = m.MS_NOSUID | m.MS_NODEV
+    # An interpreter tree under a directory about to be covered by a private tmpfs (a venv in
+    # /tmp, as CI checkouts may have) would vanish: keep a handle now, bind it back read-only below.
+    covered = ("/tmp", "/dev/shm", "/var/tmp", "/run")
+    hidden = [(t, os.open(t, os.O_PATH)) for t in isolation.python_read_paths()
+              if any(t == c or t.startswith(c + "/") for c in covered)]
     m.mount("tmpfs", "/tmp", "tmpfs", flags, opts)
     mirror = os.open("/tmp", os.O_RDONLY | os.O_DIRECTORY)
     m.umount_detach("/tmp")  # now reachable only through `mirror`
@@ -113,16 +118,23 @@ def _mount_private_dirs(spec: dict, uid: int) -> int:
     for path, size in (("/dev/shm", 64), ("/var/tmp", 1), ("/run", 1)):
         if os.path.isdir(path) and not os.path.islink(path):
             m.mount("tmpfs", path, "tmpfs", flags | m.MS_NOEXEC, f"size={size}m,mode=1777")
-    _expose_interpreter(uid)
+    for tree, fd in hidden:
+        os.makedirs(tree, 0o755, exist_ok=True)
+        m.mount(f"/proc/self/fd/{fd}", tree, None, m.MS_BIND | m.MS_REC)
+        m.mount(None, tree, None, m.MS_REMOUNT | m.MS_BIND | m.MS_RDONLY | m.MS_NOSUID)
+        os.close(fd)
+    _expose_interpreter(uid, skip={t for t, _ in hidden})
     return mirror
 
 
-def _expose_interpreter(uid: int) -> None:
+def _expose_interpreter(uid: int, skip: set[str] = frozenset()) -> None:
     """The interpreter may live under a directory the session uid cannot traverse (pyenv under
     /root, mode 0700). Cover that directory with an empty tmpfs and bind back only the
     interpreter trees: the rest of it (keys, caches) stays out of sight."""
     covers: dict[str, list[tuple[str, int]]] = {}
     for tree in isolation.python_read_paths():
+        if tree in skip:  # already bound back inside the session's own tmpfs
+            continue
         parts = tree.strip("/").split("/")
         for i in range(1, len(parts)):
             anc = "/" + "/".join(parts[:i])

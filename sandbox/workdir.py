@@ -53,6 +53,9 @@ class Snapshot:
         now = time.clock_gettime_ns(_REALTIME_COARSE)
         out: dict[str, tuple] = {}
         stack = [""]
+        # Only the session's own tmpfs is its state: mount points inside it (an interpreter tree
+        # bound back read-only) are neither snapshotted nor restored.
+        root_dev = os.stat(self.root).st_dev
         while stack:
             rel_dir = stack.pop()
             path = os.path.join(self.root, rel_dir) if rel_dir else self.root
@@ -64,6 +67,8 @@ class Snapshot:
             for e in entries:
                 rel = os.path.join(rel_dir, e.name) if rel_dir else e.name
                 st = e.stat(follow_symlinks=False)
+                if st.st_dev != root_dev:
+                    continue
                 kind = _kind(st.st_mode)
                 if kind == "d":
                     stack.append(rel)
