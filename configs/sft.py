@@ -43,6 +43,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         buckets=((2048, 1024, 64), (4096, 2048, 128), (8192, 4096, 256)),  # (tokens, image tokens, windows)
     ))
     c.checkpoint = ml_collections.ConfigDict(dict(every_steps=50, keep=3, async_save=True))
+    c.export_policy = True  # write WORKDIR/policy (a converted checkpoint) when training ends
     c.log_every = 1
     c.tensorboard = True
     c.peak_tflops_per_device = 989.0  # H100/H200 bf16 dense; set for your hardware (MFU)

@@ -5,13 +5,14 @@ Importing the package registers the algorithms by name: advantage "rbat", loss "
 """
 
 from codedance_jax.rl.grpo_loss import GRPOLossConfig, grpo_loss, token_advantages, token_logprobs
-from codedance_jax.rl.rbat import RBATConfig, rbat_advantages, turn_arrays, turn_failed_from_execution
+from codedance_jax.rl.rbat import RBATConfig, rbat_advantages, rbat_rewards, turn_arrays, turn_failed_from_execution
 
 __all__ = [
     "GRPOLossConfig",
     "RBATConfig",
     "grpo_loss",
     "rbat_advantages",
+    "rbat_rewards",
     "token_advantages",
     "token_logprobs",
     "turn_arrays",

@@ -254,8 +254,10 @@ def rbat_advantages(
     return body(acc, fmt_ok, turn_is_tool, turn_failed)
 
 
-def _rbat_body(acc, fmt_ok, turn_is_tool, turn_failed, *, group_size: int, cfg: RBATConfig):
-    b, m = turn_is_tool.shape
+def _sequence_rewards(acc, fmt_ok, turn_is_tool, turn_failed, *, group_size: int, cfg: RBATConfig) -> dict:
+    """Per-trajectory reward parts [B]: r_acc, r_format, r_seq (R_BAT sequence term, or the
+    DeepEyes-style bonus in mode "tool_bonus"), and their sum `total` (what A_seq normalizes)."""
+    b, _ = turn_is_tool.shape
     acc = acc.astype(jnp.float32)  # [B]
     correct = acc > 0
     fmt_ok = fmt_ok.astype(bool)  # [B]
@@ -269,15 +271,15 @@ def _rbat_body(acc, fmt_ok, turn_is_tool, turn_failed, *, group_size: int, cfg: 
     else:
         r_format = -cfg.w_format * (~fmt_ok).astype(jnp.float32)
     score = cfg.w_acc * acc + r_format  # [B]
-    r = score
 
     n_total = is_tool.sum(axis=1).astype(jnp.float32)  # [B]
     n_succ = (is_tool & ~failed).sum(axis=1).astype(jnp.float32)  # [B]
     # N_succ/N_total, with R_seq = 0 when no tool was called ([decided]; release: 0 without calls).
     succ_ratio = jnp.where(n_total > 0, n_succ / jnp.maximum(n_total, 1.0), 0.0)  # [B]
 
+    r_seq = acc * 0.0  # derived from an input so it keeps the batch sharding
     if cfg.mode == "tool_bonus":
-        r = r + cfg.w_tool_bonus * (correct & (n_succ > 0)).astype(jnp.float32)
+        r_seq = cfg.w_tool_bonus * (correct & (n_succ > 0)).astype(jnp.float32)
     elif cfg.mode in ("no_turn", "full"):
         mu_src = correct.astype(jnp.float32) if cfg.mu_acc_source == "accuracy" else score
         mu_acc = mu_src.reshape(-1, group_size).mean(axis=1, keepdims=True)  # [P, 1]
@@ -286,8 +288,21 @@ def _rbat_body(acc, fmt_ok, turn_is_tool, turn_failed, *, group_size: int, cfg: 
         # Broadcast d over the group in [P, G] layout (no jnp.repeat: it needs an explicit
         # out_sharding under a mesh with Explicit axes).
         c = jnp.where(correct, cfg.tool_weight_correct, cfg.tool_weight_wrong)  # [B]
-        r_seq = (c * succ_ratio).reshape(-1, group_size) * (base - cfg.delta)  # [P, G]
-        r = r + r_seq.reshape(b)
+        r_seq = ((c * succ_ratio).reshape(-1, group_size) * (base - cfg.delta)).reshape(b)  # [P, G] -> [B]
+    return {"r_acc": cfg.w_acc * acc, "r_format": r_format, "r_seq": r_seq, "total": score + r_seq}
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "cfg"))
+def rbat_rewards(acc, fmt_ok, turn_is_tool, turn_failed, *, group_size: int, cfg: RBATConfig) -> dict:
+    """The reward parts behind `rbat_advantages` (for logging and reports), float32[B] each."""
+    return _sequence_rewards(acc, fmt_ok, turn_is_tool, turn_failed, group_size=group_size, cfg=cfg)
+
+
+def _rbat_body(acc, fmt_ok, turn_is_tool, turn_failed, *, group_size: int, cfg: RBATConfig):
+    b, m = turn_is_tool.shape
+    is_tool = turn_is_tool.astype(bool)  # [B, M]
+    failed = turn_failed.astype(bool) & is_tool  # [B, M]
+    r = _sequence_rewards(acc, fmt_ok, turn_is_tool, turn_failed, group_size=group_size, cfg=cfg)["total"]
 
     a_seq = _group_normalize(r.reshape(-1, group_size), cfg).reshape(b)  # [B]
 

@@ -48,6 +48,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from codedance_jax.model import rope
 from codedance_jax.model.generate import compact_cache, drop_slots, encode_vision, extend_arrays, vision_inputs
@@ -183,6 +184,14 @@ class RolloutEngine:
         self._compiles = CompileCounter()
 
     # ------------------------------------------------------------------------------ public
+    def set_model(self, model):
+        """Roll out with `model` from now on (same structure: e.g. the policy after an update).
+        Compiled functions are reused: the graph is static, only the parameter arrays change."""
+        if model.cfg != self.model.cfg:
+            raise ValueError("set_model: the new model's config differs from the engine's; build a new engine")
+        self.model = model
+        self.sampler.graphdef, self.sampler.state = nnx.split(model)
+
     def rollout(
         self,
         prompts: Sequence[Prompt],

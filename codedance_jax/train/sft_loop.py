@@ -27,11 +27,25 @@ def model_config(config) -> ModelConfig:
     presets = {"tiny": ModelConfig.tiny, "qwen25vl_3b": ModelConfig.qwen25vl_3b, "qwen25vl_7b": ModelConfig.qwen25vl_7b}
     if config.init_from:
         cfg = ModelConfig.from_hf_config(config.init_from)
+    elif config.model == "toy":  # the toy world's ~1M-parameter model, sized by its tokenizer
+        from data.toyworld import toy_model_config
+
+        if not config.processor_dir:
+            raise ValueError("config.model='toy' needs config.processor_dir: the toy world's processor/ directory")
+        cfg = toy_model_config(config.processor_dir)
     elif config.model in presets:
         cfg = presets[config.model]()
     else:
         raise ValueError(f"config.model={config.model!r}: choose one of {sorted(presets)} or set config.init_from to a checkpoint.")
     return cfg.replace(dtype=config.dtype, param_dtype=config.param_dtype, remat=config.remat)
+
+
+def export_policy(mdef, state, processor, path: str) -> str:
+    """The trained policy as a converted checkpoint (`from_pretrained` loads it; GRPO starts from it)."""
+    from codedance_jax.checkpoint import orbax_io
+
+    orbax_io.save(mdef.model(state.params), path, processor)
+    return path
 
 
 def processor_path(config, workdir: str) -> str:
@@ -163,4 +177,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
             break
     ckpt.close()
     writer.close()
-    return {"step": int(state.step), "metrics": last, "records": n_records, "data_report": getattr(data_it, "report", None)}
+    policy = None
+    if config.get("export_policy", False) and int(state.step) >= config.total_steps:
+        policy = export_policy(mdef, state, processor, os.path.join(workdir, "policy"))
+    return {"step": int(state.step), "metrics": last, "records": n_records, "policy": policy,
+            "data_report": getattr(data_it, "report", None)}

@@ -1,0 +1,106 @@
+"""Score finished rollouts: R_acc, format, per-turn execution arrays, and the summary metrics.
+
+Host side, per trajectory: the assistant turns are decoded from `tokens` where `turn_ids == m`
+(exactly what was sampled, observations excluded); R_acc verifies the last turn's `<answer>`
+against the reference (`answers.accuracy_reward`); the format check reads the list of turns;
+`turn_arrays` packs turn statuses for the R_BAT kernel. The result also fills the trajectory
+record's `answer`, `correct` and `rewards`.
+
+Metrics (SPEC section 2): accuracy, average turns per trajectory, execution success rate =
+successful executions / executions; plus tool calls per trajectory and the tool-call rate (share
+of trajectories with at least one executed call), optionally per metadata value (e.g. per
+difficulty), which is how adaptive tool use shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from codedance_jax.rl.answers import accuracy_reward, extract_answer
+from codedance_jax.rl.format import check_format
+from codedance_jax.rl.rbat import RBATConfig, turn_arrays
+
+EXECUTED = ("ok", "error", "timeout", "crashed")
+
+
+@dataclasses.dataclass
+class Scored:
+    acc: np.ndarray  # float32[B]
+    fmt_ok: np.ndarray  # bool[B]
+    turn_is_tool: np.ndarray  # bool[B, M]
+    turn_failed: np.ndarray  # bool[B, M]
+
+
+def assistant_turns(traj, processor) -> list[str]:
+    ids = np.asarray(traj.tokens)
+    tid = np.asarray(traj.turn_ids)
+    n = int(tid.max()) + 1 if len(tid) and tid.max() >= 0 else 0
+    return [processor.decode(ids[tid == m].tolist()) for m in range(n)]
+
+
+def _clean_turns(turns: Sequence[dict]) -> list[dict]:
+    """A row the host gave up on can end with a turn that has no status: count it as crashed code
+    (or a plain final turn when it wrote no code)."""
+    out = []
+    for m, t in enumerate(turns):
+        st = t.get("status")
+        if st is None:
+            st = "crashed" if t.get("code") is not None or m < len(turns) - 1 else "no_code"
+        out.append({**t, "status": st})
+    return out
+
+
+def score(trajs, golds: Sequence[str], processor, *, max_turns: int, cfg: RBATConfig | None = None,
+          turn_format: str = "code", questions: Sequence[str] | None = None) -> Scored:
+    """Score `trajs` against `golds` (same order); fills `answer`, `correct` and `rewards` of each."""
+    cfg = cfg or RBATConfig.paper()
+    acc = np.zeros(len(trajs), np.float32)
+    fmt_ok = np.zeros(len(trajs), bool)
+    for i, (t, gold) in enumerate(zip(trajs, golds, strict=True)):
+        turns = assistant_turns(t, processor)
+        last = turns[-1] if turns else ""
+        acc[i] = accuracy_reward(last, gold, question=questions[i] if questions else "")
+        fmt_ok[i] = bool(turns) and check_format(turns, turn_format).ok
+        t.answer = extract_answer(last)
+        t.correct = bool(acc[i] > 0)
+    is_tool, failed = turn_arrays([_clean_turns(t.turns) for t in trajs], max_turns=max_turns, cfg=cfg)
+    return Scored(acc, fmt_ok, is_tool, failed)
+
+
+def _summary(trajs, acc) -> dict:
+    n = len(trajs)
+    if n == 0:
+        return {}
+    statuses = [s for t in trajs for s in t.turn_status]
+    executed = [s for s in statuses if s in EXECUTED]
+    calls = np.array([sum(s in EXECUTED for s in t.turn_status) for t in trajs], np.float32)
+    return {
+        "accuracy": float(np.mean(acc)),
+        "avg_turns": float(np.mean([t.num_turns for t in trajs])),
+        "exec_success": float(np.mean([s == "ok" for s in executed])) if executed else float("nan"),
+        "tool_calls": float(calls.mean()),
+        "tool_rate": float((calls > 0).mean()),
+        "n": n,
+    }
+
+
+def summarize(trajs, acc, metas: Sequence[dict] | None = None, keys: Sequence[str] = ()) -> dict:
+    """Overall metrics, and per value of each metadata key (`{key}={value}/{metric}`), and per
+    combination of the keys when there are two or more (`a=x,b=y/{metric}`)."""
+    acc = np.asarray(acc, np.float32)
+    out = _summary(trajs, acc)
+    if not metas or not keys:
+        return out
+    groups: dict[str, list[int]] = {}
+    for i, m in enumerate(metas):
+        for k in keys:
+            groups.setdefault(f"{k}={m.get(k)}", []).append(i)
+        if len(keys) > 1:
+            groups.setdefault(",".join(f"{k}={m.get(k)}" for k in keys), []).append(i)
+    for g, idx in sorted(groups.items()):
+        for name, v in _summary([trajs[i] for i in idx], acc[idx]).items():
+            out[f"{g}/{name}"] = v
+    return out

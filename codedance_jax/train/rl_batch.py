@@ -1,0 +1,88 @@
+"""Finished trajectories -> the GRPO batch (host numpy), padded to a (T, Nb, Wb) bucket.
+
+The batch is the SFT batch contract (`data/batching.py`: input_ids, attention_mask, targets,
+loss_mask aligned with targets, positions [3, B, T], per-row vision plan) plus the GRPO fields of
+`train/grpo.py`, all aligned with `targets` (column t is about token t + 1):
+
+    old_logprobs float32[B, T]  the sampler's recorded log-probs (log_softmax(logits / T))
+    turn_ids     int32[B, T]    the turn index of each sampled target token, -1 elsewhere
+    a_seq        float32[B]     a_turn float32[B, M]  (R_BAT kernel)
+
+Positions are recomputed from the full token sequence with `mrope_positions`; the rollout engine
+wrote observation chunks at each row's next position, which is the same thing (tested), so the
+recomputed log-probs equal the recorded ones up to float error. Images are re-encoded from the
+trajectory's PIL images (the exact images the engine gave the processor); their grids must equal
+the recorded `image_grid_thw`, a cheap guard against a processor mismatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from codedance_jax.model.config import ModelConfig
+from codedance_jax.model.rope import mrope_positions
+from data.batching import Bucket, Example, choose_bucket, collate, num_windows
+
+
+def trajectory_example(traj, processor, cfg: ModelConfig, buckets: Sequence[Bucket]) -> Example:
+    ids = np.asarray(traj.tokens, np.int32)
+    if traj.images:
+        pv, grid = processor.encode_images(list(traj.images))
+    else:
+        pv, grid = np.zeros((0, cfg.vision.patch_dim), np.float32), np.zeros((0, 3), np.int64)
+    if traj.image_grid_thw and not np.array_equal(np.asarray(traj.image_grid_thw), grid):
+        raise ValueError(f"trajectory {traj.id}: re-encoded image grids {grid.tolist()} differ from the recorded "
+                         f"{traj.image_grid_thw}; the processor is not the one that rolled it out")
+    pos, _ = mrope_positions(ids[None], None, grid if len(grid) else None, image_token_id=cfg.image_token_id,
+                             spatial_merge_size=cfg.vision.spatial_merge_size)
+    n_img = int(processor.num_image_tokens(grid).sum()) if len(grid) else 0
+    needs = Bucket(len(ids), n_img, num_windows(grid, cfg.vision))
+    trained = np.asarray(traj.loss_mask, bool)
+    return Example(ids, trained, pos[:, 0], pv, grid, needs, choose_bucket(needs, buckets), traj.id)
+
+
+def grpo_batch(trajs, processor, cfg: ModelConfig, buckets: Sequence[Bucket], a_seq: np.ndarray,
+               a_turn: np.ndarray, *, bucket: Bucket | None = None) -> dict[str, np.ndarray]:
+    """The GRPO batch of `trajs` (row order kept). A trajectory that fits no bucket is an error
+    naming the sizes (raise the buckets or lower the rollout budgets: they must agree)."""
+    exs = [trajectory_example(t, processor, cfg, buckets) for t in trajs]
+    bad = [e for e in exs if e.bucket is None]
+    if bad:
+        raise ValueError(f"trajectory {bad[0].source} needs {tuple(bad[0].needs)} (tokens, image tokens, windows), "
+                         f"more than the largest GRPO bucket {tuple(buckets[-1])}; raise config.buckets to cover "
+                         f"rollout.max_total_tokens")
+    if bucket is None:
+        bucket = buckets[max(e.bucket for e in exs)]
+    batch = collate(exs, bucket, pad_id=processor.pad_id, vision_cfg=cfg.vision)
+    t = bucket.tokens
+    old = np.zeros((len(trajs), t), np.float32)
+    tid = np.full((len(trajs), t), -1, np.int32)
+    for b, tr in enumerate(trajs):
+        n = len(tr.tokens)
+        lp = np.asarray(tr.logprobs, np.float32)
+        ti = np.asarray(tr.turn_ids, np.int32)
+        m = np.asarray(tr.loss_mask, bool)
+        old[b, : n - 1] = np.where(m[1:], lp[1:], 0.0)
+        tid[b, : n - 1] = np.where(m[1:], ti[1:], -1)
+    batch["old_logprobs"] = old
+    batch["turn_ids"] = tid
+    batch["a_seq"] = np.asarray(a_seq, np.float32)
+    batch["a_turn"] = np.asarray(a_turn, np.float32)
+    return batch
+
+
+def pad_rows(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+    """Pad the batch with empty rows (mask 0, no trained tokens) to `rows`, so it divides over the mesh."""
+    b = batch["input_ids"].shape[0]
+    if rows == b:
+        return batch
+    out = {}
+    for k, v in batch.items():
+        axis = 1 if k == "positions" else 0
+        width = [(0, 0)] * v.ndim
+        width[axis] = (0, rows - b)
+        fill = -1 if k in ("turn_ids", "unit_src", "image_id") else 0
+        out[k] = np.pad(v, width, constant_values=fill)
+    return out

@@ -1,0 +1,85 @@
+r"""GRPO run configs (paper section 5: bf16, 256 prompts x n = 8, max 6 turns; R_BAT γ = 4, δ = 0.2, β = 0.2).
+
+  python -m launch.grpo --config=configs/grpo.py:tiny --workdir=/tmp/grpo_tiny
+  python -m launch.grpo --config=configs/grpo.py:qwen25vl_7b --workdir=gs://bucket/grpo7b \
+      --config.init_from=/ckpt/sft7b/policy --config.data.jsonl=/data/rl_prompts.jsonl \
+      --config.data.eval_jsonl=/data/rl_eval.jsonl
+
+Any field can be overridden on the command line: --config.rbat.mode=no_turn --config.group_size=4.
+"""
+
+import ml_collections
+
+
+def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.model = preset  # toy | tiny | qwen25vl_3b | qwen25vl_7b: random init when init_from is empty
+    c.init_from = ""  # policy: HF or converted checkpoint dir (an SFT run writes WORKDIR/policy)
+    c.processor_dir = ""  # tokenizer/preprocessor when init_from is empty ("" = the toy world's)
+    c.dtype = "bfloat16"
+    c.param_dtype = "float32"
+    c.remat = "full"
+    c.seed = 0
+
+    c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
+    c.sharding_rules = ()
+
+    c.prompts_per_step = 256  # global
+    c.group_size = 8  # n rollouts per prompt
+    c.total_steps = 100
+    c.grad_accum = 16
+    c.optim = ml_collections.ConfigDict(dict(
+        lr=1e-6, warmup_ratio=0.0, schedule="constant", min_lr_ratio=0.0, weight_decay=0.0,
+        b1=0.9, b2=0.999, eps=1e-8, clip_norm=1.0,
+    ))
+    # R_BAT (SPEC section 4): preset paper | release; mode full | no_turn | tool_bonus | outcome.
+    c.rbat = ml_collections.ConfigDict(dict(preset="paper", mode="full", gamma=4.0, delta=0.2, beta=0.2))
+    c.loss = ml_collections.ConfigDict(dict(clip_eps=0.2, aggregation="seq_mean", kl_coef=0.0))
+    c.recompute_old_logprobs = True  # verl recomputes; False uses the sampler's recorded log-probs
+
+    c.rollout = ml_collections.ConfigDict(dict(
+        turn_format="code", max_turns=6, max_turn_tokens=1024, max_new_tokens=4096, max_total_tokens=8192,
+        decode_chunk=32, batch_multiple=8, prompt_buckets=(1024, 2048, 4096), obs_buckets=(256, 1024),
+        obs_max_pixels=1024 * 28 * 28, temperature=1.0, top_p=1.0, top_k=0,
+    ))
+    c.sandbox = ml_collections.ConfigDict(dict(num_workers=16, timeout_s=15.0, memory_mb=2048))
+    # GRPO batches are padded to the first (tokens, image tokens, windows) bucket that fits.
+    c.buckets = ((4096, 2048, 128), (8192, 4096, 256))
+
+    c.data = ml_collections.ConfigDict(dict(
+        jsonl=(),  # RL prompt JSONL files (data/rl_prompts.py format)
+        eval_jsonl=(),  # held-out prompts evaluated every eval_every steps
+        tfds_dir="",  # "" = WORKDIR/tfds
+        name="rl", eval_name="rl_eval",
+        toyworld=False,  # no jsonl given: generate the toy world (data/toyworld) into WORKDIR/world
+        toy_sizes=(64, 64, 48),  # (sft, rl, eval) items when the toy world is generated here
+    ))
+    c.eval = ml_collections.ConfigDict(dict(every=20, max_turns=10, limit=0, batch=64, at_start=False))
+    c.metric_keys = ("difficulty",)  # prompt metadata keys to break accuracy/tool use down by
+    c.trajectories_every = 0  # >0: write the step's trajectories + the sampling policy every N steps
+    c.checkpoint = ml_collections.ConfigDict(dict(every_steps=10, keep=3, async_save=True))
+    c.log_every = 1
+    c.tensorboard = True
+    c.peak_tflops_per_device = 989.0
+
+    if preset in ("tiny", "toy"):
+        c.model = "toy"
+        c.dtype, c.remat = "float32", "none"
+        c.prompts_per_step, c.group_size, c.total_steps, c.grad_accum = 4, 4, 4, 1
+        c.optim.lr, c.optim.warmup_ratio = 5e-4, 0.0
+        c.rollout.update(max_turns=3, max_turn_tokens=48, max_new_tokens=128, max_total_tokens=448,
+                         decode_chunk=16, batch_multiple=8, prompt_buckets=(128, 256), obs_buckets=(64, 128),
+                         obs_max_pixels=112 * 112)
+        c.sandbox.update(num_workers=2, timeout_s=10.0, memory_mb=1024)
+        c.buckets = ((256, 64, 16), (512, 160, 40))
+        c.data.toyworld = True
+        c.data.toy_sizes = (0, 16, 8)
+        c.eval.update(every=2, max_turns=3, limit=8, batch=8)
+        c.checkpoint.update(every_steps=2, async_save=False)
+        c.tensorboard = False
+        c.peak_tflops_per_device = 0.16
+    elif preset == "qwen25vl_3b":
+        c.model = "qwen25vl_3b"
+    elif preset != "qwen25vl_7b":
+        raise ValueError(f"unknown preset {preset!r}: tiny | qwen25vl_3b | qwen25vl_7b")
+    return c
