@@ -1,0 +1,599 @@
+"""The demo's report: `report.md`, `summary.json`, `report.html` and `plots/*.png` in one folder.
+
+    paths = write_report(out_dir, evals={"sft": s0, "grpo": s1},
+                         eval_trajectories={"sft": ".../trajectories.jsonl", "grpo": ...},
+                         sft_metrics=rows, grpo_metrics=rows, targets={"hard_accuracy": 0.9})
+
+`evals[name]` is a `codedance_jax.rl.scoring.summarize` dict (`accuracy`, `avg_turns`,
+`exec_success`, `tool_calls`, `tool_rate`, `n`, and `family=count/accuracy`,
+`difficulty=hard/tool_rate`, `family=count,difficulty=hard/accuracy`, ...). Evaluations appear in
+the dict's order. Rates are printed as percentages, a metric that was not measured (NaN: no code
+ran) as "n/a".
+
+Targets: each key is `{scope}_{metric}` (`overall_accuracy`, `hard_accuracy`, `count_tool_rate`:
+the scope is matched against the breakdown values) or a summary key itself
+(`difficulty=hard/accuracy`); a number means "at least", `{"max": x}` "at most" (`{"min": x}` is
+the number). Checked for every evaluation; a missing or NaN value is NOT met. The two
+adaptive-tool-use checks compare the evaluations named `before` ("sft") and `after` ("grpo"):
+(a) accuracy after >= before, (b) tool-call rate on easy items after < before while the hard
+items' rate after stays >= `hard_tool_rate_min`.
+
+Plots use matplotlib's Agg canvas directly (no pyplot, no global backend switch). A series with no
+finite value is left out; a plot with no series is not drawn and is listed as "no data".
+
+The HTML page is static: tables, plots (`<img src="plots/...">`) and example trajectories, a few
+correct and wrong ones per eval x family x difficulty, read from each eval's `trajectories.jsonl`
+(`codedance_jax.rollout.record.save_jsonl`; optional extra fields `text`, a string or a list of
+per-turn strings, and `meta` {family, difficulty, question, gold}). Their images are linked by
+paths relative to `out_dir` (or copied into `out_dir/images/` with `copy_images=True`). Every piece
+of text is HTML-escaped: the model's output is untrusted.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from eval.report import CSS as EVAL_CSS
+from eval.report import _img, _turn_html
+
+FAMILY_ORDER = ("count", "bars", "find")
+DIFFICULTY_ORDER = ("easy", "hard")
+RATES = ("accuracy", "exec_success", "tool_rate")
+METRICS = ("accuracy", "avg_turns", "exec_success", "tool_calls", "tool_rate", "n")
+EVAL_COLUMNS = [
+    ("accuracy", "accuracy"),
+    ("avg_turns", "avg turns"),
+    ("exec_success", "exec success"),
+    ("tool_rate", "tool-call rate"),
+    ("tool_calls", "tool calls / traj"),
+    ("n", "n"),
+]
+
+# (file stem, title, y label, metrics source, [(key, legend label)], y is a rate)
+PLOTS = [
+    ("sft_loss", "SFT loss", "loss", "sft", [("loss", "train"), ("eval/loss", "eval")], False),
+    ("grpo_reward", "GRPO mean reward", "reward (R_BAT total)", "grpo", [("reward/total", "reward/total")], False),
+    ("grpo_accuracy", "GRPO accuracy", "accuracy", "grpo",
+     [("accuracy", "rollouts"), ("eval/accuracy", "held-out eval")], True),
+    ("grpo_turns", "GRPO average turns", "turns / trajectory", "grpo",
+     [("avg_turns", "rollouts"), ("eval/avg_turns", "held-out eval")], False),
+    ("grpo_exec_success", "GRPO execution success", "successful executions / executions", "grpo",
+     [("exec_success", "rollouts"), ("eval/exec_success", "held-out eval")], True),
+    ("grpo_entropy", "GRPO policy entropy", "entropy", "grpo", [("train/entropy", "entropy")], False),
+    ("grpo_tool_rate", "GRPO tool-call rate by difficulty", "share of trajectories with a tool call", "grpo",
+     [("difficulty=easy/tool_rate", "easy"), ("difficulty=hard/tool_rate", "hard")], True),
+]
+
+EXTRA_CSS = """
+table.summary th{background:#eee}td.num{text-align:right}.met{color:#2a2;font-weight:bold}.notmet{color:#c33;font-weight:bold}
+.plots{display:flex;flex-wrap:wrap}.plots img{max-width:560px;max-height:none;border:none}
+pre.reasoning:empty{display:none}pre.response{background:#f7f3ff}details{margin:.4em 0}summary{cursor:pointer}
+h2{border-bottom:1px solid #ccc;padding-bottom:.2em}
+"""
+
+
+# ---------------------------------------------------------------- numbers
+
+
+def _num(v) -> float | None:
+    """A finite float, or None (missing, NaN, not a number)."""
+    if isinstance(v, bool) or v is None:
+        return None
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def fmt_metric(metric: str, v) -> str:
+    """Rates as percentages (one decimal), turns and calls with two decimals, counts as integers."""
+    f = _num(v)
+    if f is None:
+        return "n/a"
+    if metric in RATES:
+        return f"{100 * f:.1f}%"
+    if metric == "n":
+        return str(int(f))
+    return f"{f:.2f}"
+
+
+def _clean(obj):
+    """JSON-safe copy: NaN/inf -> None, tuples -> lists, unknown objects -> str."""
+    if isinstance(obj, Mapping):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, bool) or obj is None or isinstance(obj, str | int):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    f = _num(obj)  # numpy scalars
+    if f is not None:
+        return int(f) if float(f).is_integer() and "int" in type(obj).__name__ else f
+    try:
+        return None if math.isnan(float(obj)) else str(obj)
+    except (TypeError, ValueError):
+        return str(obj)
+
+
+# ---------------------------------------------------------------- tables
+
+
+def _ordered(values, order) -> list[str]:
+    values = set(values)
+    return [v for v in order if v in values] + sorted(values - set(order))
+
+
+def _groups(evals: Mapping[str, Mapping]) -> tuple[list[str], list[str]]:
+    """Families and difficulties present in any summary's breakdown keys."""
+    fams, diffs = set(), set()
+    for s in evals.values():
+        for k in s:
+            prefix, _, _ = k.rpartition("/")
+            for part in prefix.split(","):
+                key, eq, val = part.partition("=")
+                if eq and key == "family":
+                    fams.add(val)
+                elif eq and key == "difficulty":
+                    diffs.add(val)
+    return _ordered(fams, FAMILY_ORDER), _ordered(diffs, DIFFICULTY_ORDER)
+
+
+def eval_table(evals: Mapping[str, Mapping]) -> tuple[list[str], list[list[str]]]:
+    header = ["eval"] + [label for _, label in EVAL_COLUMNS]
+    rows = [[name] + [fmt_metric(k, s.get(k)) for k, _ in EVAL_COLUMNS] for name, s in evals.items()]
+    return header, rows
+
+
+def breakdown_table(evals: Mapping[str, Mapping]) -> tuple[list[str], list[list[str]]]:
+    """Rows: family x difficulty (then each difficulty over all families); per eval: n, accuracy, tool-call rate."""
+    fams, diffs = _groups(evals)
+    header = ["family", "difficulty"]
+    for name in evals:
+        header += [f"{name} n", f"{name} accuracy", f"{name} tool-call rate"]
+    prefixes = []
+    if fams and diffs:
+        prefixes += [(f, d, f"family={f},difficulty={d}") for f in fams for d in diffs]
+    elif fams:
+        prefixes += [(f, "all", f"family={f}") for f in fams]
+    prefixes += [("all", d, f"difficulty={d}") for d in diffs]
+    rows = []
+    for fam, diff, p in prefixes:
+        if not any(f"{p}/n" in s or f"{p}/accuracy" in s for s in evals.values()):
+            continue
+        row = [fam, diff]
+        for s in evals.values():
+            row += [fmt_metric(m, s.get(f"{p}/{m}")) for m in ("n", "accuracy", "tool_rate")]
+        rows.append(row)
+    return header, rows
+
+
+def lookup(summary: Mapping, key: str):
+    """A target key's value in a summary: the key itself, `overall_{metric}`, or `{value}_{metric}`
+    where `value` is a breakdown value (`hard_accuracy` -> `difficulty=hard/accuracy`)."""
+    if key in summary:
+        return summary[key]
+    for m in sorted(METRICS, key=len, reverse=True):
+        if key == m or key.endswith("_" + m):
+            scope = key[: -len(m)].rstrip("_")
+            break
+    else:
+        return None
+    if scope in ("", "overall", "all"):
+        return summary.get(m)
+    for k, v in summary.items():
+        prefix, _, metric = k.rpartition("/")
+        if metric == m and "," not in prefix and prefix.partition("=")[2] == scope:
+            return v
+    return None
+
+
+def _threshold(spec) -> tuple[str, float]:
+    if isinstance(spec, Mapping):
+        if "max" in spec:
+            return "<=", float(spec["max"])
+        return ">=", float(spec["min"])
+    return ">=", float(spec)
+
+
+def check_targets(evals: Mapping[str, Mapping], targets: Mapping | None) -> dict:
+    """{eval: {target: {value, op, threshold, met}}}; a missing/NaN value is not met."""
+    out = {}
+    for name, s in evals.items():
+        res = {}
+        for key, spec in (targets or {}).items():
+            op, thr = _threshold(spec)
+            v = _num(lookup(s, key))
+            met = v is not None and (v >= thr if op == ">=" else v <= thr)
+            res[key] = {"value": v, "op": op, "threshold": thr, "met": bool(met)}
+        out[name] = res
+    return out
+
+
+def adaptive_checks(evals: Mapping[str, Mapping], before: str = "sft", after: str = "grpo",
+                    hard_tool_rate_min: float = 0.8) -> list[dict]:
+    """The two adaptive-tool-use checks; `met` is None when an evaluation or a value is missing."""
+    b, a = evals.get(before), evals.get(after)
+    checks = []
+    name_a = f"{after} does not lower accuracy vs {before}"
+    name_b = (f"{after} lowers the tool-call rate on easy items vs {before}, "
+              f"hard items stay >= {fmt_metric('tool_rate', hard_tool_rate_min)}")
+    if b is None or a is None:
+        why = f"not evaluated: needs evaluations named '{before}' and '{after}'"
+        return [{"name": name_a, "met": None, "detail": why}, {"name": name_b, "met": None, "detail": why}]
+    acc_b, acc_a = _num(b.get("accuracy")), _num(a.get("accuracy"))
+    met = None if acc_b is None or acc_a is None else acc_a >= acc_b
+    checks.append({
+        "name": name_a, "met": met, "values": {before: acc_b, after: acc_a},
+        "detail": f"accuracy {before} {fmt_metric('accuracy', acc_b)} -> {after} {fmt_metric('accuracy', acc_a)}",
+    })
+    easy_b, easy_a = _num(lookup(b, "easy_tool_rate")), _num(lookup(a, "easy_tool_rate"))
+    hard_b, hard_a = _num(lookup(b, "hard_tool_rate")), _num(lookup(a, "hard_tool_rate"))
+    if None in (easy_b, easy_a, hard_a):
+        met = None
+    else:
+        met = easy_a < easy_b and hard_a >= hard_tool_rate_min
+    checks.append({
+        "name": name_b, "met": met,
+        "values": {f"{before} easy": easy_b, f"{after} easy": easy_a, f"{before} hard": hard_b, f"{after} hard": hard_a},
+        "detail": (f"easy tool-call rate {before} {fmt_metric('tool_rate', easy_b)} -> {after} "
+                   f"{fmt_metric('tool_rate', easy_a)}; hard {before} {fmt_metric('tool_rate', hard_b)} -> {after} "
+                   f"{fmt_metric('tool_rate', hard_a)} (needs >= {fmt_metric('tool_rate', hard_tool_rate_min)})"),
+    })
+    return checks
+
+
+def _verdict(met) -> str:
+    return "not evaluated" if met is None else ("met" if met else "NOT met")
+
+
+def targets_table(results: dict, targets: Mapping | None) -> tuple[list[str], list[list[str]]]:
+    header = ["target", "threshold"] + list(results)
+    rows = []
+    for key, spec in (targets or {}).items():
+        op, thr = _threshold(spec)
+        metric = next((m for m in sorted(METRICS, key=len, reverse=True) if key.endswith(m)), "")
+        row = [key, f"{op} {fmt_metric(metric, thr)}"]
+        for res in results.values():
+            r = res[key]
+            row.append(f"{fmt_metric(metric, r['value'])} {_verdict(r['met'])}")
+        rows.append(row)
+    return header, rows
+
+
+def _md_table(header, rows) -> str:
+    def cell(s):
+        return str(s).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(cell(h) for h in header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _html_table(header, rows) -> str:
+    def td(c):
+        c = str(c)
+        cls = "notmet" if c.endswith("NOT met") else "met" if c == "met" or c.endswith(" met") else ""
+        return f'<td class="{cls}">{html.escape(c)}</td>' if cls else f"<td>{html.escape(c)}</td>"
+
+    out = ['<table class="summary"><tr>' + "".join(f"<th>{html.escape(str(h))}</th>" for h in header) + "</tr>"]
+    out += ["<tr>" + "".join(td(c) for c in r) + "</tr>" for r in rows]
+    return "".join(out) + "</table>"
+
+
+def _is_flat(d: Mapping) -> bool:
+    return all(isinstance(v, str | int | float | bool) or v is None for v in d.values())
+
+
+# ---------------------------------------------------------------- plots
+
+
+def series(rows: Sequence[Mapping], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of `key` over metric rows, skipping rows without it or with a non-finite value."""
+    pts = []
+    for i, r in enumerate(rows or ()):
+        y = _num(r.get(key)) if isinstance(r, Mapping) else None
+        if y is None:
+            continue
+        x = _num(r.get("step"))
+        pts.append((i if x is None else x, y))
+    pts.sort(key=lambda p: p[0])
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def write_plots(plot_dir: str, sft_metrics, grpo_metrics) -> tuple[dict[str, str], list[str]]:
+    """Draw the training curves; returns ({stem: path}, [titles of plots without data])."""
+    os.makedirs(plot_dir, exist_ok=True)
+    sources = {"sft": sft_metrics or [], "grpo": grpo_metrics or []}
+    written, empty = {}, []
+    for stem, title, ylabel, src, keys, rate in PLOTS:
+        data = [(label, *series(sources[src], key), key.startswith("eval/")) for key, label in keys]
+        data = [d for d in data if d[1]]
+        if not data:
+            empty.append(title)
+            continue
+        fig = Figure(figsize=(6, 3.6), dpi=100)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        for label, xs, ys, is_eval in data:
+            few = len(xs) <= 30
+            ax.plot(xs, ys, label=label, linestyle="--" if is_eval else "-",
+                    marker=("s" if is_eval else "o") if few else None, markersize=4)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        if rate:
+            ax.set_ylim(-0.03, 1.03)
+        ax.grid(alpha=0.3)
+        if len(data) > 1 or len(keys) > 1:
+            ax.legend(fontsize="small")
+        fig.tight_layout()
+        path = os.path.join(plot_dir, f"{stem}.png")
+        fig.savefig(path, format="png")
+        written[stem] = path
+    return written, empty
+
+
+# ---------------------------------------------------------------- example trajectories
+
+
+def _meta(rec: Mapping) -> dict:
+    m = rec.get("meta")
+    return dict(m) if isinstance(m, Mapping) else {}
+
+
+def select_examples(path: str, per_group: int) -> tuple[list[dict], dict]:
+    """Up to `per_group` correct and `per_group` wrong records per (family, difficulty), in file
+    order; also the number of records per group. Unreadable lines are skipped."""
+    chosen: dict[tuple, dict[str, list]] = {}
+    totals: dict[tuple, int] = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(rec, dict):
+                continue
+            m = _meta(rec)
+            g = (str(m.get("family", "?")), str(m.get("difficulty", "?")))
+            totals[g] = totals.get(g, 0) + 1
+            c = rec.get("correct")
+            verdict = "correct" if c is True else "wrong" if c is False else "unscored"
+            bucket = chosen.setdefault(g, {}).setdefault(verdict, [])
+            if len(bucket) < per_group:
+                bucket.append(rec)
+    fams = _ordered({g[0] for g in chosen}, FAMILY_ORDER)
+    diffs = _ordered({g[1] for g in chosen}, DIFFICULTY_ORDER)
+    out = []
+    for fam in fams:
+        for diff in diffs:
+            for verdict in ("correct", "wrong", "unscored"):
+                out += chosen.get((fam, diff), {}).get(verdict, [])
+    return out, {f"{f}/{d}": n for (f, d), n in totals.items()}
+
+
+def _image_src(rel: str, traj_dir: str, out_dir: str, copy_to: str | None) -> str:
+    src = os.path.normpath(os.path.join(traj_dir, rel))
+    if copy_to is not None and os.path.isfile(src):
+        os.makedirs(copy_to, exist_ok=True)
+        dst = os.path.join(copy_to, os.path.basename(src))
+        shutil.copyfile(src, dst)
+        src = dst
+    return os.path.relpath(src, out_dir).replace(os.sep, "/")
+
+
+def _example_html(rec: Mapping, traj_dir: str, out_dir: str, copy_to: str | None) -> str:
+    m = _meta(rec)
+    images = [str(p) for p in rec.get("images") or [] if isinstance(p, str)]
+    srcs = [_image_src(p, traj_dir, out_dir, copy_to) for p in images]
+    turns = [t if isinstance(t, Mapping) else {} for t in rec.get("turns") or []]
+    n_prompt = max(0, len(srcs) - sum(int(t.get("n_images") or 0) for t in turns))
+    c = rec.get("correct")
+    verdict = "correct" if c is True else "wrong" if c is False else "unscored"
+    rewards = rec.get("rewards") if isinstance(rec.get("rewards"), Mapping) else {}
+    rew = ", ".join(f"{k} {_num(v):.3g}" if _num(v) is not None else f"{k} {v}" for k, v in rewards.items())
+    info = [
+        str(rec.get("id", "?")),
+        f"{m.get('family', '?')} / {m.get('difficulty', '?')}",
+        verdict,
+        f"{rec.get('num_turns', len(turns))} turns",
+        f"{sum(s in ('ok', 'error', 'timeout', 'crashed') for s in rec.get('turn_status') or [])} executions",
+        f"finish: {rec.get('finish_reason', '')}",
+    ] + ([f"rewards: {rew}"] if rew else [])
+    out = [f'<div class="item {verdict}" data-verdict="{verdict}"><div class="meta">'
+           f"{html.escape(' · '.join(info))}</div>"]
+    if m.get("question") is not None:
+        out.append(f'<pre class="question">{html.escape(str(m["question"]))}</pre>')
+    out += [_img(out_dir, s, True, False) for s in srcs[:n_prompt]]
+    text = rec.get("text", rec.get("turn_texts"))
+    per_turn = isinstance(text, list)
+    if isinstance(text, str):
+        out.append(f'<pre class="response">{html.escape(text)}</pre>')
+    k = n_prompt
+    for i, t in enumerate(turns):
+        ni = int(t.get("n_images") or 0)
+        t_text = str(text[i]) if per_turn and i < len(text) else ""
+        turn = {**t, "code": None} if isinstance(text, str) else t  # the full response already shows the code
+        turn = {kk: (str(v) if kk in ("status", "observation", "code") and v is not None else v)
+                for kk, v in turn.items()}
+        out.append(_turn_html(i, t_text, turn, srcs[k : k + ni], out_dir, True, False))
+        k += ni
+    gold = m.get("gold", rec.get("gold"))
+    out.append(
+        f'<p><b>answer</b>: <span class="prediction">{html.escape(str(rec.get("answer")))}</span> · '
+        f'<b>reference</b>: <span class="gold">{html.escape(str(gold))}</span> · '
+        f"<b>{html.escape(verdict)}</b></p></div>"
+    )
+    return "".join(out)
+
+
+# ---------------------------------------------------------------- the report
+
+
+def write_report(
+    out_dir: str,
+    *,
+    evals: Mapping[str, Mapping],
+    eval_trajectories: Mapping[str, str] | None,
+    sft_metrics: Sequence[Mapping] | None,
+    grpo_metrics: Sequence[Mapping] | None,
+    world: Mapping | None = None,
+    timings: Mapping[str, float] | None = None,
+    targets: Mapping | None = None,
+    title: str = "CodeDance toy world",
+    before: str = "sft",
+    after: str = "grpo",
+    hard_tool_rate_min: float = 0.8,
+    examples_per_group: int = 2,
+    copy_images: bool = False,
+) -> dict[str, str]:
+    """Write report.md, summary.json, report.html and plots/*.png to `out_dir`; returns
+    {path relative to out_dir: absolute path} of every file written."""
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    os.makedirs(out_dir, exist_ok=True)
+    evals = {str(k): dict(v or {}) for k, v in (evals or {}).items()}
+    eval_trajectories = dict(eval_trajectories or {})
+    written: dict[str, str] = {}
+
+    plots, no_data = write_plots(os.path.join(out_dir, "plots"), sft_metrics, grpo_metrics)
+    for p in plots.values():
+        written[os.path.relpath(p, out_dir)] = p
+    target_res = check_targets(evals, targets)
+    checks = adaptive_checks(evals, before, after, hard_tool_rate_min)
+    t_eval = eval_table(evals)
+    t_break = breakdown_table(evals)
+    t_targets = targets_table(target_res, targets)
+    timings = {str(k): v for k, v in (timings or {}).items()}
+    t_time = (["phase", "seconds", "minutes"],
+              [[k, fmt_metric("s", v), fmt_metric("s", _num(v) / 60 if _num(v) is not None else None)]
+               for k, v in timings.items()])
+    if timings:
+        total = sum(_num(v) or 0.0 for v in timings.values())
+        t_time[1].append(["total", f"{total:.2f}", f"{total / 60:.2f}"])
+    world = dict(world or {})
+    flat_world = _is_flat(world)
+
+    # summary.json
+    summary = {
+        "title": title,
+        "evals": evals,
+        "eval_order": list(evals),
+        "targets": {"given": targets or {}, "results": target_res,
+                    "all_met": {n: all(r["met"] for r in res.values()) for n, res in target_res.items()}},
+        "adaptive_checks": checks,
+        "timings": timings,
+        "world": world,
+        "plots": sorted(os.path.relpath(p, out_dir) for p in plots.values()),
+        "plots_without_data": no_data,
+        "final_train": {"sft": dict(sft_metrics[-1]) if sft_metrics else None,
+                        "grpo": dict(grpo_metrics[-1]) if grpo_metrics else None},
+    }
+    p = os.path.join(out_dir, "summary.json")
+    with open(p, "w", encoding="utf-8") as f:
+        json.dump(_clean(summary), f, indent=2, allow_nan=False)
+    written["summary.json"] = p
+
+    # report.md
+    md = [f"# {title}", "", "## Evaluations", ""]
+    md += [_md_table(*t_eval) if evals else "No evaluations.", ""]
+    md += ["Rates are shares of trajectories (execution success: successful executions / executions; "
+           "n/a when no code ran).", ""]
+    md += ["## By family and difficulty", "", _md_table(*t_break) if t_break[1] else "No breakdown.", ""]
+    md += ["## Targets", ""]
+    if targets:
+        md += [_md_table(*t_targets), ""]
+        for n, res in target_res.items():
+            md.append(f"- {n}: {'all targets met' if all(r['met'] for r in res.values()) else 'targets NOT met'}")
+        md.append("")
+    else:
+        md += ["No targets given.", ""]
+    md += ["### Adaptive tool use", ""]
+    md += [f"- {c['name']}: **{_verdict(c['met'])}** ({c['detail']})" for c in checks] + [""]
+    md += ["## Training curves", ""]
+    md += [f"![{stem}](plots/{stem}.png)" for stem in plots]
+    md += [f"- {t}: no data" for t in no_data] + [""]
+    md += ["## Timings", "", _md_table(*t_time) if timings else "No timings.", ""]
+    md += ["## World", ""]
+    if not world:
+        md += ["No world summary.", ""]
+    elif flat_world:
+        md += [_md_table(["key", "value"], [[k, v] for k, v in world.items()]), ""]
+    else:
+        md += ["```json", json.dumps(_clean(world), indent=2), "```", ""]
+    md += ["Examples of trajectories: report.html.", ""]
+    p = os.path.join(out_dir, "report.md")
+    with open(p, "w", encoding="utf-8") as f:
+        f.write("\n".join(md))
+    written["report.md"] = p
+
+    # report.html
+    h = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+         f"<style>{EVAL_CSS}{EXTRA_CSS}</style></head><body><h1>{html.escape(title)}</h1>"]
+    h += ["<h2>Evaluations</h2>", _html_table(*t_eval) if evals else "<p>No evaluations.</p>"]
+    h += ["<h2>By family and difficulty</h2>", _html_table(*t_break) if t_break[1] else "<p>No breakdown.</p>"]
+    h.append("<h2>Targets</h2>")
+    h.append(_html_table(*t_targets) if targets else "<p>No targets given.</p>")
+    h.append("<h3>Adaptive tool use</h3><ul>")
+    for c in checks:
+        cls = {True: "met", False: "notmet"}.get(c["met"], "")
+        h.append(f'<li>{html.escape(c["name"])}: <span class="{cls}">{html.escape(_verdict(c["met"]))}</span> '
+                 f"({html.escape(c['detail'])})</li>")
+    h.append("</ul><h2>Training curves</h2><div class='plots'>")
+    h += [f'<img src="plots/{html.escape(stem)}.png" alt="{html.escape(stem)}">' for stem in plots]
+    h.append("</div>")
+    if no_data:
+        h.append("<p class='meta'>no data: " + html.escape(", ".join(no_data)) + "</p>")
+    h += ["<h2>Timings</h2>", _html_table(*t_time) if timings else "<p>No timings.</p>", "<h2>World</h2>"]
+    if not world:
+        h.append("<p>No world summary.</p>")
+    elif flat_world:
+        h.append(_html_table(["key", "value"], [[k, v] for k, v in world.items()]))
+    else:
+        h.append(f"<pre>{html.escape(json.dumps(_clean(world), indent=2))}</pre>")
+    h.append("<h2>Example trajectories</h2>")
+    copy_root = os.path.join(out_dir, "images") if copy_images else None
+    names = list(evals) + [n for n in eval_trajectories if n not in evals]
+    for name in names:
+        path = eval_trajectories.get(name)
+        h.append(f"<details open><summary><b>{html.escape(name)}</b></summary>")
+        if not path or not os.path.isfile(path):
+            h.append(f"<p>No trajectories ({html.escape(str(path))}).</p></details>")
+            continue
+        recs, totals = select_examples(path, examples_per_group)
+        h.append(f"<p class='meta'>{html.escape(os.path.relpath(path, out_dir))}: showing {len(recs)} of {sum(totals.values())} "
+                 f"({html.escape(', '.join(f'{g} {n}' for g, n in totals.items()))})</p>")
+        traj_dir = os.path.dirname(os.path.abspath(path))
+        to = os.path.join(copy_root, _safe(name)) if copy_root else None
+        group = None
+        for rec in recs:
+            m = _meta(rec)
+            g = f"{m.get('family', '?')} / {m.get('difficulty', '?')}"
+            if g != group:
+                h.append(("</details>" if group is not None else "") + f"<details><summary>{html.escape(g)}</summary>")
+                group = g
+            h.append(_example_html(rec, traj_dir, out_dir, to))
+        if group is not None:
+            h.append("</details>")
+        h.append("</details>")
+    h.append("</body></html>")
+    p = os.path.join(out_dir, "report.html")
+    with open(p, "w", encoding="utf-8") as f:
+        f.write("".join(h))
+    written["report.html"] = p
+    return written
+
+
+def _safe(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name) or "_"

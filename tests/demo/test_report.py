@@ -1,0 +1,233 @@
+"""The demo report writer: files, tables, targets, plots, escaping, NaN tolerance."""
+
+import dataclasses
+import html
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from codedance_jax.demo.report import fmt_metric, lookup, series, write_report
+from codedance_jax.rl.scoring import summarize
+from codedance_jax.rollout.record import Trajectory, save_jsonl
+
+FAMILIES = ("count", "bars", "find")
+EVIL = "<script>alert('x')</script>"
+
+
+@dataclasses.dataclass
+class DemoTrajectory(Trajectory):
+    """A record as the demo writes it: the decoded response and the item's metadata ride along."""
+
+    text: str | None = None
+    meta: dict = dataclasses.field(default_factory=dict)
+
+
+def _image(rng, size):
+    return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+
+
+def _trajectories(rng, n_per_group=3, evil_at=0):
+    out = []
+    for fam in FAMILIES:
+        for diff in ("easy", "hard"):
+            for j in range(n_per_group):
+                i = len(out)
+                tool = diff == "hard" or rng.random() < 0.5
+                status = ([str(rng.choice(["ok", "ok", "error"]))] if tool else []) + ["no_code"]
+                turns = []
+                images = [_image(rng, 28 * int(rng.integers(2, 5)))]
+                for st in status:
+                    n_img = int(st == "ok")
+                    images += [_image(rng, 28)] * n_img
+                    turns.append({"status": st, "n_images": n_img,
+                                  "observation": "Traceback: <boom>" if st == "error" else ("out: 3" if tool else None),
+                                  "code": "print(img.size)" if st != "no_code" else None})
+                gold = str(int(rng.integers(0, 7)))
+                correct = bool(rng.random() < 0.6) if j else bool(i % 2)
+                answer = EVIL if i == evil_at else (gold if correct else "9")
+                n_tok = int(rng.integers(8, 20))
+                out.append(DemoTrajectory(
+                    id=f"{fam}-{diff}-{j}", prompt_id=f"{fam}-{diff}-{j}", group=0, prompt_len=4,
+                    tokens=rng.integers(0, 1000, n_tok).tolist(), loss_mask=[0] * 4 + [1] * (n_tok - 4),
+                    turn_ids=[-1] * 4 + [0] * (n_tok - 4), logprobs=rng.normal(size=n_tok).tolist(),
+                    temperature=1.0, images=images, image_grid_thw=[], turn_status=status, turns=turns,
+                    answer=answer, correct=correct, rewards={"total": float(rng.random()), "acc": float(correct)},
+                    finish_reason="answer",
+                    text=f"<code>print(1)</code> then <answer>{answer}</answer>",
+                    meta={"family": fam, "difficulty": diff, "question": f"How many <b>shapes</b>? #{i}",
+                          "gold": gold},
+                ))
+    return out
+
+
+def _metrics(rng, n, keys):
+    rows = []
+    for s in range(1, n + 1):
+        rows.append({"step": s, **{k: float(rng.random()) for k in keys}})
+    return rows
+
+
+@pytest.fixture
+def demo(tmp_path):
+    rng = np.random.default_rng()
+    evals, paths = {}, {}
+    for name in ("sft", "grpo"):
+        trajs = _trajectories(rng)
+        paths[name] = save_jsonl(trajs, tmp_path / "work" / "eval" / name)
+        evals[name] = summarize(trajs, [float(t.correct) for t in trajs], [t.meta for t in trajs],
+                                ("family", "difficulty"))
+    sft = [{"step": s, "loss": float(3 * rng.random() / s)} for s in range(1, 12)]
+    grpo = _metrics(rng, 6, ["reward/total", "accuracy", "avg_turns", "exec_success", "train/entropy",
+                             "tool_rate", "difficulty=easy/tool_rate", "difficulty=hard/tool_rate"])
+    return tmp_path, evals, paths, sft, grpo
+
+
+def _png_ok(path):
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with Image.open(path) as im:
+        im.verify()
+    with Image.open(path) as im:
+        assert im.size[0] > 100 and im.size[1] > 100
+
+
+def test_report_files_tables_and_escaping(demo):
+    tmp_path, evals, paths, sft, grpo = demo
+    out = tmp_path / "report"
+    written = write_report(str(out), evals=evals, eval_trajectories=paths, sft_metrics=sft, grpo_metrics=grpo,
+                           world={"families": list(FAMILIES), "n_train": 120}, timings={"sft": 12.5, "grpo": 40.25},
+                           targets={"hard_accuracy": 0.9, "overall_accuracy": 0.75})
+    for rel in ("report.md", "summary.json", "report.html"):
+        assert os.path.isfile(out / rel) and written[rel] == str(out / rel)
+    plots = sorted(k for k in written if k.startswith("plots/"))
+    assert plots == sorted(f"plots/{s}.png" for s in ("sft_loss", "grpo_reward", "grpo_accuracy", "grpo_turns",
+                                                      "grpo_exec_success", "grpo_entropy", "grpo_tool_rate"))
+    for rel in plots:
+        _png_ok(written[rel])
+
+    md = (out / "report.md").read_text()
+    for name, s in evals.items():
+        row = next(line for line in md.splitlines() if line.startswith(f"| {name} |"))
+        assert fmt_metric("accuracy", s["accuracy"]) in row
+        assert fmt_metric("avg_turns", s["avg_turns"]) in row
+        assert fmt_metric("tool_rate", s["tool_rate"]) in row
+        # family x difficulty
+        v = s["family=bars,difficulty=hard/accuracy"]
+        row = next(line for line in md.splitlines() if line.startswith("| bars | hard |"))
+        assert fmt_metric("accuracy", v) in row
+    assert fmt_metric("accuracy", 0.25) == "25.0%" and fmt_metric("exec_success", float("nan")) == "n/a"
+    assert "12.50" in md and "40.25" in md and "n_train" in md
+
+    summary = json.loads((out / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert summary["eval_order"] == ["sft", "grpo"]
+    res = summary["targets"]["results"]["grpo"]["hard_accuracy"]
+    assert res["value"] == pytest.approx(evals["grpo"]["difficulty=hard/accuracy"])
+    assert res["met"] == (evals["grpo"]["difficulty=hard/accuracy"] >= 0.9)
+
+    page = (out / "report.html").read_text()
+    assert "<script>" not in page  # the model's answer and text are escaped, and the page has no script
+    assert html.escape(EVIL) in page
+    assert "How many &lt;b&gt;shapes&lt;/b&gt;?" in page
+    assert "Traceback: &lt;boom&gt;" in page
+    srcs = re.findall(r'<img src="([^"]+)"', page)
+    assert any(s.startswith("plots/") for s in srcs)
+    traj_imgs = [s for s in srcs if not s.startswith("plots/")]
+    assert traj_imgs and all(s.startswith("../work/eval/") for s in traj_imgs)
+    for s in srcs:  # every image resolves from the report's folder
+        assert os.path.isfile(out / html.unescape(s)), s
+    # examples: both evals, every family x difficulty, correct and wrong
+    for fam in FAMILIES:
+        for diff in ("easy", "hard"):
+            assert f"<summary>{fam} / {diff}</summary>" in page
+    assert 'data-verdict="correct"' in page and 'data-verdict="wrong"' in page
+
+
+def test_targets_met_and_not_met(tmp_path):
+    rng = np.random.default_rng()
+    hi = float(rng.uniform(0.91, 0.99))  # above both thresholds
+    lo = float(rng.uniform(0.3, 0.7))  # below both
+    mid = float(rng.uniform(0.76, 0.89))  # overall met, hard not
+    easy_sft, easy_grpo = float(rng.uniform(0.6, 0.9)), float(rng.uniform(0.05, 0.4))
+
+    def summ(acc, hard_acc, easy_rate, hard_rate):
+        return {"accuracy": acc, "avg_turns": float(rng.uniform(1, 3)), "exec_success": float("nan"),
+                "tool_calls": float(rng.uniform(0, 2)), "tool_rate": float(rng.random()), "n": 60,
+                "difficulty=hard/accuracy": hard_acc, "difficulty=easy/accuracy": float(rng.random()),
+                "difficulty=easy/tool_rate": easy_rate, "difficulty=hard/tool_rate": hard_rate}
+
+    evals = {"sft": summ(mid, lo, easy_sft, 0.95), "grpo": summ(hi, hi, easy_grpo, 0.85),
+             "grpo_no_rbat": summ(lo, float("nan"), easy_grpo, 0.5)}
+    targets = {"hard_accuracy": 0.9, "overall_accuracy": 0.75}
+    out = tmp_path / "r"
+    write_report(str(out), evals=evals, eval_trajectories={}, sft_metrics=[], grpo_metrics=[], targets=targets)
+    s = json.loads((out / "summary.json").read_text())
+    r = s["targets"]["results"]
+    assert r["grpo"]["hard_accuracy"]["met"] and r["grpo"]["overall_accuracy"]["met"]
+    assert not r["sft"]["hard_accuracy"]["met"] and r["sft"]["overall_accuracy"]["met"]
+    assert not r["grpo_no_rbat"]["hard_accuracy"]["met"] and r["grpo_no_rbat"]["hard_accuracy"]["value"] is None
+    assert s["targets"]["all_met"] == {"sft": False, "grpo": True, "grpo_no_rbat": False}
+    checks = s["adaptive_checks"]
+    assert [c["met"] for c in checks] == [True, True]
+
+    md = (out / "report.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| hard_accuracy |"))
+    assert f"{fmt_metric('accuracy', lo)} NOT met" in row and f"{fmt_metric('accuracy', hi)} met" in row
+    assert "n/a NOT met" in row
+    assert "does not lower accuracy vs sft: **met**" in md
+    page = (out / "report.html").read_text()
+    assert f'<td class="notmet">{fmt_metric("accuracy", lo)} NOT met</td>' in page
+    assert f'<td class="met">{fmt_metric("accuracy", hi)} met</td>' in page
+    assert f"easy tool-call rate sft {fmt_metric('tool_rate', easy_sft)} -> grpo {fmt_metric('tool_rate', easy_grpo)}" in md
+    assert "SFT loss: no data" in md and not os.listdir(out / "plots")
+
+    # GRPO lowers accuracy and keeps calling tools on easy items: both checks fail, honestly.
+    evals["grpo"] = summ(lo, hi, easy_sft + 0.05, 0.6)
+    write_report(str(out), evals=evals, eval_trajectories={}, sft_metrics=[], grpo_metrics=[], targets=targets)
+    s = json.loads((out / "summary.json").read_text())
+    assert [c["met"] for c in s["adaptive_checks"]] == [False, False]
+    assert "**NOT met**" in (out / "report.md").read_text()
+    # Only SFT evaluated: the checks are not evaluated rather than passed.
+    write_report(str(out), evals={"sft": evals["sft"]}, eval_trajectories=None, sft_metrics=None, grpo_metrics=None)
+    s = json.loads((out / "summary.json").read_text())
+    assert [c["met"] for c in s["adaptive_checks"]] == [None, None]
+
+
+def test_nan_and_missing_metrics(tmp_path):
+    rng = np.random.default_rng()
+    nan = float("nan")
+    sft = [{"step": s, "loss": nan if s % 3 == 0 else float(rng.random())} for s in range(1, 8)]
+    sft.append({"step": 8, "grad_norm": 1.0})  # a row without the loss
+    grpo = [{"step": s, "accuracy": float(rng.random()), "exec_success": nan, "reward/total": "bad",
+             "difficulty=easy/tool_rate": float(rng.random())} for s in range(1, 5)]
+    evals = {"sft": {"accuracy": float(rng.random()), "avg_turns": nan, "exec_success": nan, "n": 3},
+             "grpo": {}}
+    written = write_report(str(tmp_path / "r"), evals=evals, eval_trajectories={"grpo": str(tmp_path / "missing.jsonl")},
+                           sft_metrics=sft, grpo_metrics=grpo, targets={"hard_accuracy": 0.9},
+                           timings={"sft": nan}, world={"nested": {"a": [1, 2]}})
+    assert sorted(k for k in written if k.startswith("plots/")) == [
+        "plots/grpo_accuracy.png", "plots/grpo_tool_rate.png", "plots/sft_loss.png"]
+    for k in written:
+        if k.endswith(".png"):
+            _png_ok(written[k])
+    assert series(sft, "loss")[0] == [1, 2, 4, 5, 7]
+    s = json.loads((tmp_path / "r" / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert s["evals"]["sft"]["exec_success"] is None
+    assert set(s["plots_without_data"]) == {"GRPO mean reward", "GRPO average turns", "GRPO execution success",
+                                            "GRPO policy entropy"}
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "GRPO policy entropy: no data" in md and "n/a" in md and '"nested"' in md
+    assert "No trajectories" in (tmp_path / "r" / "report.html").read_text()
+
+
+def test_lookup():
+    s = {"accuracy": 0.5, "difficulty=hard/accuracy": 0.25, "family=count/tool_rate": 0.75,
+         "family=count,difficulty=hard/accuracy": 0.125}
+    assert lookup(s, "overall_accuracy") == 0.5 and lookup(s, "accuracy") == 0.5
+    assert lookup(s, "hard_accuracy") == 0.25 and lookup(s, "count_tool_rate") == 0.75
+    assert lookup(s, "family=count,difficulty=hard/accuracy") == 0.125
+    assert lookup(s, "easy_accuracy") is None and lookup(s, "bogus") is None
+    assert fmt_metric("n", 60.0) == "60" and fmt_metric("avg_turns", None) == "n/a"
