@@ -1,0 +1,264 @@
+"""The scripted expert: SFT trajectories whose code really ran in the sandbox.
+
+Easy items get a direct answer (`<think>..</think>\\n<answer>X</answer>`, no code). Hard items get one
+fixed code template per family, executed in a real `SandboxPool` session holding `image.png`; the
+observation is `data.observation.observation_text` of the result with its images (at most 4), and
+the final answer is read back from that observation (the printed number or colour; for `find`, the
+colour of the enlarged crop the cell saved). With probability `error_rate` the expert first writes a
+buggy variant (a misspelt name, a missing import, a wrong dictionary key) that really fails, and then
+the correct code: a recovered error.
+
+The templates are short and fixed so that a ~1M-parameter model can learn them; only `count` has
+variable parts (the colour and kind words copied from the question). Bugs are chosen whose
+traceback stays inside the cell: a wrong file name would print the sandbox machine's
+site-packages path (PIL raises it), which would make the data machine-dependent.
+
+The expert is 100 % correct: `ExpertError` is raised when an answer read from an observation
+disagrees with the item's ground truth, or when the correct code does not end `ok`.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from codedance_jax.rollout.prompts import RL_INSTRUCTION
+from data.observation import observation_text
+from data.toyworld.tasks import ANSWER_COLORS, PALETTE, Item, color_name
+
+MAX_OBS_IMAGES = 4
+
+
+class ExpertError(AssertionError):
+    """The expert's trajectory would teach a wrong answer or broken code."""
+
+
+def user_content(question: str) -> str:
+    """The SFT user message: rendered, it is exactly `rl_prompt(processor, id, question, [image])`'s user turn."""
+    return "<image>" + f"Question: {question}\n" + RL_INSTRUCTION["code"]
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _dict_src(names) -> str:
+    return "{" + ", ".join(f"'{n}': {PALETTE[n]}" for n in names) + "}"
+
+
+_HEAD = (
+    "import numpy as np\nimport cv2\nfrom PIL import Image\nimg = np.array(Image.open('image.png').convert('RGB'))\n"
+)
+
+COUNT_CODE = (
+    _HEAD
+    + f"rgb = {_dict_src(ANSWER_COLORS)}['COLOR']\n"
+    + "low, high = {'circles': (0.65, 0.9), 'squares': (0.9, 1.1), 'triangles': (0.3, 0.65)}['KINDs']\n"
+    + "mask = np.all(img == rgb, axis=-1).astype(np.uint8)\n"
+    + "n, labels, stats, _ = cv2.connectedComponentsWithStats(mask, connectivity=8)\n"
+    + "fill = stats[1:, 4] / (stats[1:, 2] * stats[1:, 3])\n"
+    + "print('count:', int(((fill >= low) & (fill < high)).sum()))\n"
+)
+BARS_CODE = (
+    _HEAD.replace("import cv2\n", "")
+    + f"colors = {_dict_src(PALETTE)}\n"
+    + "heights = {c: int(np.all(img == v, axis=-1).any(axis=1).sum()) for c, v in colors.items()}\n"
+    + "best = max(heights, key=heights.get)\n"
+    + "print('tallest:', best, heights[best])\n"
+)
+FIND_CODE = (
+    _HEAD
+    + "ys, xs = np.nonzero(np.all(img == 0, axis=-1))\n"
+    + "box = img[ys.min():ys.max() + 1, xs.min():xs.max() + 1]\n"
+    + "crop = cv2.resize(box, (112, 112), interpolation=cv2.INTER_NEAREST)\n"
+    + "Image.fromarray(crop).save('crop.png')\n"
+    + "print('box:', xs.min(), ys.min(), xs.max(), ys.max())\n"
+)
+
+# family -> bug name -> (wrong, right) substitution applied once to the correct code.
+BUGS: dict[str, dict[str, tuple[str, str]]] = {
+    "count": {
+        "name": ("int(((fill >= low)", "int(((fills >= low)"),
+        "import": ("import cv2\n", ""),
+        "key": ("['KINDs']", "['KIND']"),
+    },
+    "bars": {
+        "name": ("heights[best])", "height[best])"),
+        "import": ("import numpy as np\n", ""),
+    },
+    "find": {
+        "name": ("Image.fromarray(crop)", "Image.fromarray(crops)"),
+        "import": ("import cv2\n", ""),
+    },
+}
+
+THINK = {
+    ("count", "easy"): "The shapes are large and far apart, so I can count them by eye: {answer}.",
+    ("bars", "easy"): "The {answer} bar is clearly taller.",
+    ("find", "easy"): "The box fills the image and the shape inside it is {answer}.",
+    ("count", "code"): "The shapes are small and mixed, so I will count the {color} {kind}s with code.",
+    ("bars", "code"): "The bars are almost the same height, so I will measure them with code.",
+    ("find", "code"): "The marked box is tiny, so I will crop it and enlarge it with code.",
+    "retry": "The code failed with {error}. I will fix it and run it again.",
+    ("count", "final"): "The code counted {answer} {color} {kind}s.",
+    ("bars", "final"): "The tallest bar is {color}, {height} pixels tall.",
+    ("find", "final"): "The enlarged box shows a {answer} shape.",
+}
+
+
+def _fill_count(template: str, item: Item) -> str:
+    return template.replace("COLOR", item.meta["color"]).replace("KIND", item.meta["kind"])
+
+
+def expert_code(item: Item) -> str:
+    """The correct cell for a hard item."""
+    if item.family == "count":
+        return _fill_count(COUNT_CODE, item)
+    if item.family == "bars":
+        return BARS_CODE
+    if item.family == "find":
+        return FIND_CODE
+    raise ValueError(f"unknown family {item.family!r}")
+
+
+def buggy_code(item: Item, bug: str) -> str:
+    right, wrong = BUGS[item.family][bug]
+    if item.family == "count":
+        right, wrong = _fill_count(right, item), _fill_count(wrong, item)
+    code = expert_code(item)
+    assert right in code, (item.family, bug)
+    return code.replace(right, wrong, 1)
+
+
+def code_turn(think: str, code: str) -> str:
+    return f"<think>{think}</think>\n<code>\n```python\n{code.rstrip()}\n```\n</code>"
+
+
+def answer_turn(think: str, answer: str) -> str:
+    return f"<think>{think}</think>\n<answer>{answer}</answer>"
+
+
+def _error_name(stderr: str) -> str:
+    found = re.findall(r"^(\w+(?:Error|Exception)):", stderr, flags=re.M)
+    return found[-1] if found else "an error"
+
+
+def _crop_color(png: bytes) -> str:
+    """The colour of the shape in an observed crop: its most frequent non-grey pixel value."""
+    a = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+    colored = ~((a[..., 0] == a[..., 1]) & (a[..., 1] == a[..., 2]))
+    values, counts = np.unique(a[colored], axis=0, return_counts=True)
+    if not len(values):
+        raise ExpertError("the crop shows no coloured pixel")
+    return color_name(values[int(np.argmax(counts))])
+
+
+def _final(item: Item, stdout: str, images: list[bytes]) -> str:
+    """The final answer turn, with the answer read from the correct cell's observation."""
+    if item.family == "count":
+        m = re.search(r"^count: (\d+)$", stdout, flags=re.M)
+        if not m:
+            raise ExpertError(f"{item.id}: no count in the output {stdout!r}")
+        answer = m.group(1)
+        think = THINK["count", "final"].format(answer=answer, color=item.meta["color"], kind=item.meta["kind"])
+    elif item.family == "bars":
+        m = re.search(r"^tallest: (\w+) (\d+)$", stdout, flags=re.M)
+        if not m:
+            raise ExpertError(f"{item.id}: no tallest bar in the output {stdout!r}")
+        color, height = m.groups()
+        answer = color if item.meta["question_kind"] == "bars_color" else height
+        think = THINK["bars", "final"].format(color=color, height=height)
+    else:
+        if len(images) != 1:
+            raise ExpertError(f"{item.id}: expected the crop as one image, got {len(images)}")
+        answer = _crop_color(images[0])
+        think = THINK["find", "final"].format(answer=answer)
+    if answer != item.answer:
+        raise ExpertError(f"{item.id}: the observation gives {answer!r}, the ground truth is {item.answer!r}")
+    return answer_turn(think, answer)
+
+
+def expert_trajectory(
+    item: Item,
+    session_factory: Callable[[dict[str, bytes]], Any],
+    rng: np.random.Generator,
+    *,
+    error_rate: float = 0.15,
+) -> dict[str, Any]:
+    """One SFT record for `item` (the trajectory JSONL format of `data.trajectory`).
+
+    `session_factory(files)` opens a sandbox session (e.g. `pool.new_session`); it is called only
+    for hard items. Returned keys: `id`, `images` (relative paths `img/{id}.png`,
+    `img/{id}-obs{k}.png`), `messages`, `meta` (family, difficulty, question, answer, `error`: the
+    bug name of a recovered error or None, `cells`) — all JSON-able — plus `image_data` (the PNG
+    bytes of `images`, in order) and `timing` (`sandbox_s`), which a writer strips.
+    """
+    image_png = png_bytes(item.image)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": user_content(item.question)}]
+    images, paths = [image_png], [f"img/{item.id}.png"]
+    meta = {
+        "family": item.family,
+        "difficulty": item.difficulty,
+        "question": item.question,
+        "answer": item.answer,
+        "error": None,
+        "cells": 0,
+    }
+    sandbox_s = 0.0
+    if item.difficulty == "easy":
+        messages.append(
+            {
+                "role": "assistant",
+                "content": answer_turn(THINK[item.family, "easy"].format(answer=item.answer), item.answer),
+            }
+        )
+    else:
+        bug = None
+        if rng.random() < error_rate:
+            names = sorted(BUGS[item.family])
+            bug = names[int(rng.integers(len(names)))]
+        if item.family == "count":
+            think = THINK["count", "code"].format(color=item.meta["color"], kind=item.meta["kind"])
+        else:
+            think = THINK[item.family, "code"]
+        cells = ([buggy_code(item, bug)] if bug else []) + [expert_code(item)]
+        with session_factory({"image.png": image_png}) as session:
+            for k, code in enumerate(cells):
+                r = session.execute(code)
+                sandbox_s += r.elapsed_s
+                last = k == len(cells) - 1
+                if last and r.status != "ok":
+                    raise ExpertError(f"{item.id}: the expert's code ended {r.status}: {r.stderr[-500:]}")
+                if not last and r.status != "error":
+                    raise ExpertError(f"{item.id}: the {bug} bug did not fail (status {r.status})")
+                messages.append({"role": "assistant", "content": code_turn(think, code)})
+                obs_images = list(r.images[:MAX_OBS_IMAGES])
+                messages.append(
+                    {
+                        "role": "observation",
+                        "content": observation_text(r.stdout, r.stderr, r.status),
+                        "num_images": len(obs_images),
+                    }
+                )
+                for png in obs_images:
+                    paths.append(f"img/{item.id}-obs{len(images)}.png")
+                    images.append(png)
+                if not last:
+                    think = THINK["retry"].format(error=_error_name(r.stderr))
+            messages.append({"role": "assistant", "content": _final(item, r.stdout, obs_images)})
+        meta["error"], meta["cells"] = bug, len(cells)
+    return {
+        "id": item.id,
+        "images": paths,
+        "messages": messages,
+        "meta": meta,
+        "image_data": images,
+        "timing": {"sandbox_s": sandbox_s},
+    }

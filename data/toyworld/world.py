@@ -1,0 +1,258 @@
+"""Generate the toy world to disk: SFT trajectories, RL prompts, held-out eval prompts, the tokenizer.
+
+Layout under `out_dir`:
+
+    sft/sft.jsonl, sft/img/*.png          expert trajectories (data.trajectory format)
+    rl/prompts.jsonl, rl/img/*.png        {"id", "family", "difficulty", "question", "answer", "images"}
+    eval/prompts.jsonl, eval/img/*.png    the same, a balanced family x difficulty grid
+    processor/                            the toy tokenizer + preprocessor (Processor.from_pretrained)
+    world.json                            counts, tokens per trajectory, sandbox time, vocab size
+
+Item `i` of a split is drawn from `default_rng([seed, split code, i])`, so splits never share a
+random stream; eval items whose image and question equal an SFT or RL item's are redrawn (counted
+in world.json). Everything but the timings in world.json is a function of the arguments: the
+experts of different items run concurrently (threads, sandbox cells in parallel) and are written
+in item order.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import hashlib
+import io
+import json
+import os
+import time
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from codedance_jax.processing.image import smart_resize
+from data.chat import render
+from data.toyworld.expert import expert_trajectory, png_bytes, user_content
+from data.toyworld.tasks import DIFFICULTIES, FAMILIES, Item, make_item
+from data.toyworld.tokenizer import DEFAULT_MAX_PIXELS, DEFAULT_VOCAB, write_toy_processor_files
+from data.trajectory import Message, parse_record
+
+SPLIT_CODES = {"sft": 1, "rl": 2, "eval": 3}
+SANDBOX_LIMITS = dict(timeout_s=20.0, memory_mb=512)
+
+
+def split_plan(split: str, n: int, seed: int, hard_frac: float) -> list[tuple[str, str]]:
+    """(family, difficulty) of each item: eval cycles the 6 cells; sft/rl give each family
+    round(hard_frac * share) hard items, shuffled."""
+    if split == "eval":
+        cells = [(f, d) for f in FAMILIES for d in DIFFICULTIES]
+        return [cells[i % len(cells)] for i in range(n)]
+    plan = []
+    for k, fam in enumerate(FAMILIES):
+        m = len(range(k, n, len(FAMILIES)))
+        hard = round(hard_frac * m)
+        plan += [(fam, "hard")] * hard + [(fam, "easy")] * (m - hard)
+    order = np.random.default_rng([seed, SPLIT_CODES[split], 999]).permutation(n)
+    return [plan[i] for i in order]
+
+
+def _key(item: Item) -> str:
+    return hashlib.sha256(png_bytes(item.image) + item.question.encode()).hexdigest()
+
+
+def make_split(split: str, n: int, seed: int, hard_frac: float, exclude: set[str] | None = None):
+    """The items of one split; items whose key is in `exclude` are redrawn. Returns (items, redraws)."""
+    items, redraws = [], 0
+    for i, (fam, diff) in enumerate(split_plan(split, n, seed, hard_frac)):
+        attempt = 0
+        while True:
+            key = [seed, SPLIT_CODES[split], i] + ([attempt] if attempt else [])
+            item = make_item(fam, diff, np.random.default_rng(key), f"{split}-{i:05d}")
+            if not exclude or _key(item) not in exclude:
+                break
+            attempt += 1
+            redraws += 1
+        items.append(item)
+    return items, redraws
+
+
+def _write_png(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def write_prompts(directory: str, items: list[Item]) -> str:
+    """`prompts.jsonl` + `img/{id}.png` under `directory`; returns the JSONL path."""
+    os.makedirs(os.path.join(directory, "img"), exist_ok=True)
+    path = os.path.join(directory, "prompts.jsonl")
+    with open(path, "w") as f:
+        for it in items:
+            rel = f"img/{it.id}.png"
+            _write_png(os.path.join(directory, rel), png_bytes(it.image))
+            row = {
+                "id": it.id,
+                "family": it.family,
+                "difficulty": it.difficulty,
+                "question": it.question,
+                "answer": it.answer,
+                "images": [rel],
+            }
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def write_sft(directory: str, records: list[dict[str, Any]]) -> str:
+    """`sft.jsonl` + the records' PNGs under `directory` (drops `image_data` and `timing`)."""
+    os.makedirs(os.path.join(directory, "img"), exist_ok=True)
+    path = os.path.join(directory, "sft.jsonl")
+    with open(path, "w") as f:
+        for rec in records:
+            for rel, data in zip(rec["images"], rec["image_data"], strict=True):
+                _write_png(os.path.join(directory, rel), data)
+            row = {k: v for k, v in rec.items() if k not in ("image_data", "timing")}
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def load_prompts(jsonl_path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Rows of a prompts.jsonl with `images` loaded as RGB PIL images (`image_paths` keeps the paths)."""
+    jsonl_path = os.fspath(jsonl_path)
+    base = os.path.dirname(os.path.abspath(jsonl_path))
+    rows = []
+    with open(jsonl_path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            row["image_paths"] = row["images"]
+            images = []
+            for p in row["images"]:
+                with Image.open(os.path.join(base, p)) as im:
+                    images.append(im.convert("RGB"))
+            row["images"] = images
+            rows.append(row)
+    return rows
+
+
+def run_experts(items: list[Item], pool, seed: int, *, error_rate: float, threads: int) -> list[dict[str, Any]]:
+    """Expert records of `items`, in order; hard items' cells run concurrently in `pool`."""
+
+    def one(i: int) -> dict[str, Any]:
+        rng = np.random.default_rng([seed, SPLIT_CODES["sft"], i, 7])
+        return expert_trajectory(items[i], pool.new_session, rng, error_rate=error_rate)
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as ex:
+        return list(ex.map(one, range(len(items))))
+
+
+def _image_tokens(size: tuple[int, int], max_pixels: int) -> int:
+    h, w = smart_resize(size[1], size[0], factor=28, min_pixels=3136, max_pixels=max_pixels)
+    return (h // 28) * (w // 28)
+
+
+def _stats(xs: list[int]) -> dict[str, float]:
+    if not xs:
+        return {"n": 0}
+    a = np.asarray(xs)
+    return {
+        "n": len(xs),
+        "mean": round(float(a.mean()), 1),
+        "median": float(np.median(a)),
+        "min": int(a.min()),
+        "max": int(a.max()),
+    }
+
+
+def generate_world(
+    out_dir: str | os.PathLike,
+    *,
+    n_sft: int,
+    n_rl: int,
+    n_eval: int,
+    seed: int = 0,
+    hard_frac: float = 0.5,
+    pool=None,
+    workers: int = 2,
+    error_rate: float = 0.15,
+    vocab_size: int = DEFAULT_VOCAB,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+) -> dict[str, Any]:
+    """Write the world (see the module docstring) and return the contents of world.json.
+
+    `pool`: an open `SandboxPool` to use; without one a pool of `workers` workers is created and
+    closed here. `workers` also sets the expert threads (4 per worker: session set-up and the
+    host side overlap with cells).
+    """
+    t_start = time.monotonic()
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    sft_items, _ = make_split("sft", n_sft, seed, hard_frac)
+    rl_items, _ = make_split("rl", n_rl, seed, hard_frac)
+    seen = {_key(it) for it in sft_items + rl_items}
+    eval_items, redraws = make_split("eval", n_eval, seed, hard_frac, exclude=seen)
+
+    t_sb = time.monotonic()
+    if pool is None:
+        from sandbox import SandboxPool
+
+        with SandboxPool(num_workers=workers, **SANDBOX_LIMITS) as own:
+            records = run_experts(sft_items, own, seed, error_rate=error_rate, threads=4 * workers)
+    else:
+        records = run_experts(sft_items, pool, seed, error_rate=error_rate, threads=4 * workers)
+    sandbox_wall = time.monotonic() - t_sb
+
+    sft_path = write_sft(os.path.join(out_dir, "sft"), records)
+    write_prompts(os.path.join(out_dir, "rl"), rl_items)
+    write_prompts(os.path.join(out_dir, "eval"), eval_items)
+
+    # Tokenizer corpus: every SFT text as rendered for training, and every RL / eval prompt.
+    sft_msgs = [parse_record({k: r[k] for k in ("id", "images", "messages")})[2] for r in records]
+    prompts = [[Message("user", user_content(it.question), 1)] for it in rl_items + eval_items]
+    texts = [render(m).text for m in sft_msgs] + [render(m).text for m in prompts]
+    special = write_toy_processor_files(
+        os.path.join(out_dir, "processor"), texts, vocab_size=vocab_size, max_pixels=max_pixels
+    )
+
+    from codedance_jax.processing import Processor
+
+    proc = Processor.from_pretrained(os.path.join(out_dir, "processor"))
+    tokens: dict[str, list[int]] = collections.defaultdict(list)
+    for rec, msgs in zip(records, sft_msgs, strict=True):
+        sizes = [Image.open(io.BytesIO(b)).size for b in rec["image_data"]]
+        text = render(msgs, [_image_tokens(s, max_pixels) for s in sizes]).text
+        n = len(proc.tokenizer.encode(text))
+        tokens[rec["meta"]["difficulty"]].append(n)
+        tokens["all"].append(n)
+
+    def counts(items):
+        c = collections.Counter(f"{it.family}/{it.difficulty}" for it in items)
+        return dict(sorted(c.items()))
+
+    errors = collections.Counter(r["meta"]["error"] for r in records if r["meta"]["error"])
+    world = {
+        "seed": seed,
+        "hard_frac": hard_frac,
+        "splits": {
+            "sft": {"n": n_sft, "counts": counts(sft_items), "path": os.path.relpath(sft_path, out_dir)},
+            "rl": {"n": n_rl, "counts": counts(rl_items), "path": "rl/prompts.jsonl"},
+            "eval": {
+                "n": n_eval,
+                "counts": counts(eval_items),
+                "path": "eval/prompts.jsonl",
+                "redrawn_duplicates": redraws,
+            },
+        },
+        "sft_tokens_per_trajectory": {k: _stats(v) for k, v in sorted(tokens.items())},
+        "recovered_errors": dict(sorted(errors.items())),
+        "sandbox": {
+            "cells": sum(r["meta"]["cells"] for r in records),
+            "cell_s": round(sum(r["timing"]["sandbox_s"] for r in records), 2),
+            "wall_s": round(sandbox_wall, 2),
+        },
+        "vocab_size": len(proc.tokenizer),
+        "bpe_vocab_size": min(special.values()),
+        "special_ids": special,
+        "generation_s": round(time.monotonic() - t_start, 2),
+    }
+    with open(os.path.join(out_dir, "world.json"), "w") as f:
+        json.dump(world, f, indent=2)
+    return world

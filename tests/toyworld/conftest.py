@@ -1,0 +1,38 @@
+"""Fixtures for the toy-world tests: one sandbox pool and one tiny generated world per session."""
+
+import os
+import sys
+
+import pytest
+
+# `data` and `sandbox` are top-level packages of the repository (not installed).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+TINY = dict(n_sft=12, n_rl=8, n_eval=6, seed=3)
+
+
+@pytest.fixture(scope="session")
+def pool():
+    if sys.platform != "linux" or os.geteuid() != 0:
+        pytest.skip("the sandbox needs Linux and root")
+    from sandbox import SandboxPool
+
+    with SandboxPool(num_workers=2, timeout_s=20.0, memory_mb=512) as p:
+        yield p
+
+
+@pytest.fixture(scope="session")
+def world(pool, tmp_path_factory):
+    """(directory, world.json) of a tiny world (half its SFT items hard, some with recovered errors)."""
+    from data.toyworld import generate_world
+
+    d = tmp_path_factory.mktemp("world")
+    info = generate_world(d, pool=pool, hard_frac=0.5, error_rate=0.3, vocab_size=400, **TINY)
+    return str(d), info
+
+
+@pytest.fixture(scope="session")
+def toy_processor(world):
+    from codedance_jax.processing import Processor
+
+    return Processor.from_pretrained(os.path.join(world[0], "processor"))

@@ -1,0 +1,122 @@
+"""The scripted expert: its code really runs in the sandbox, and its answers come from the observations."""
+
+import dataclasses
+import io
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from data.observation import observation_text
+from data.toyworld import FAMILIES, ExpertError, expert_trajectory, make_item
+from data.toyworld.expert import BUGS, buggy_code, png_bytes
+from data.toyworld.world import write_sft
+from data.trajectory import read_jsonl
+
+pytestmark = pytest.mark.usefixtures("pool")
+
+
+def _turns(rec):
+    return [m["role"] for m in rec["messages"]]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hard_trajectory_runs_clean(pool, family):
+    for seed in range(4):
+        item = make_item(family, "hard", seed, f"{family}-{seed}")
+        rec = expert_trajectory(item, pool.new_session, np.random.default_rng(seed), error_rate=0.0)
+        assert _turns(rec) == ["user", "assistant", "observation", "assistant"]
+        code, obs, final = rec["messages"][1:]
+        assert "[status:" not in obs["content"] and "<code>\n```python\n" in code["content"]
+        assert final["content"].endswith(f"<answer>{item.answer}</answer>")
+        # The answer is printed by the code (count, bars) or shown in the crop (find).
+        if family == "count":
+            assert obs["content"] == f"count: {item.answer}"
+        elif family == "bars":
+            assert item.answer in obs["content"].split() and obs["content"].startswith("tallest: ")
+        else:
+            assert obs["num_images"] == 1 and len(rec["image_data"]) == 2
+            crop = np.asarray(Image.open(io.BytesIO(rec["image_data"][1])).convert("RGB"))
+            assert crop.shape == (112, 112, 3)
+            from data.toyworld import PALETTE
+
+            assert np.all(crop == PALETTE[item.answer], axis=-1).sum() > 200  # the enlarged shape
+        assert rec["meta"]["cells"] == 1 and rec["meta"]["error"] is None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_recovered_error(pool, family):
+    item = make_item(family, "hard", 11, f"{family}-err")
+    rec = expert_trajectory(item, pool.new_session, np.random.default_rng(0), error_rate=1.0)
+    assert _turns(rec) == ["user", "assistant", "observation", "assistant", "observation", "assistant"]
+    bad, err, fix, ok = rec["messages"][1:5]
+    assert err["content"].endswith("[status: error]") and "Traceback" in err["content"]
+    assert "<think>The code failed with " in fix["content"] and "<code>" in fix["content"]
+    assert bad["content"] != fix["content"] and "[status:" not in ok["content"]
+    assert rec["meta"]["error"] in BUGS[family] and rec["meta"]["cells"] == 2
+    assert rec["messages"][-1]["content"].endswith(f"<answer>{item.answer}</answer>")
+    # Tracebacks stay inside the cell: no path of the machine that generated the data.
+    assert "/site-packages/" not in err["content"] and ".py" not in err["content"]
+
+
+def test_every_bug_fails_and_the_fix_succeeds(pool):
+    for family in FAMILIES:
+        item = make_item(family, "hard", 2, "b")
+        with pool.new_session({"image.png": png_bytes(item.image)}) as s:
+            for bug in BUGS[family]:
+                r = s.execute(buggy_code(item, bug))
+                assert r.status == "error", (family, bug, r)
+                assert ("KeyError" if bug == "key" else "NameError") in r.stderr
+
+
+def test_easy_items_answer_directly(pool):
+    def no_session(files):
+        raise AssertionError("easy items must not use the sandbox")
+
+    for family in FAMILIES:
+        item = make_item(family, "easy", 1, "e")
+        rec = expert_trajectory(item, no_session, np.random.default_rng(0), error_rate=1.0)
+        assert _turns(rec) == ["user", "assistant"]
+        content = rec["messages"][1]["content"]
+        assert content.startswith("<think>") and content.endswith(f"</think>\n<answer>{item.answer}</answer>")
+        assert "<code>" not in content
+
+
+def test_expert_rejects_wrong_ground_truth(pool):
+    """The expert checks the observation against the ground truth and refuses a mismatch."""
+    for family in FAMILIES:
+        item = make_item(family, "hard", 4, "w")
+        wrong = dataclasses.replace(item, answer="purple" if family == "find" else "999")
+        with pytest.raises(ExpertError):
+            expert_trajectory(wrong, pool.new_session, np.random.default_rng(0), error_rate=0.0)
+
+
+def test_records_validate_and_render(pool, tmp_path):
+    from data.chat import render
+
+    items = [make_item(f, d, 7, f"{f}-{d}") for f in FAMILIES for d in ("easy", "hard")]
+    recs = [
+        expert_trajectory(it, pool.new_session, np.random.default_rng(i), error_rate=0.5) for i, it in enumerate(items)
+    ]
+    path = write_sft(str(tmp_path), recs)
+    trajs = list(read_jsonl([path], on_error="stop"))
+    assert [t.id for t in trajs] == [it.id for it in items]
+    for t, rec in zip(trajs, recs, strict=True):
+        assert list(t.images) == rec["image_data"]  # PNGs written as returned
+        text = render(t.messages).text
+        assert text.count("<|image_pad|>") == len(rec["images"])
+        obs = [m for m in rec["messages"] if m["role"] == "observation"]
+        for m in obs:
+            assert f"<interpreter>\n{m['content']}\n</interpreter>" in text
+    with open(path) as f:
+        rows = [json.loads(line) for line in f]
+    assert all("image_data" not in r and "timing" not in r for r in rows)
+
+
+def test_observation_is_the_real_output(pool):
+    item = make_item("count", "hard", 9, "o")
+    rec = expert_trajectory(item, pool.new_session, np.random.default_rng(0), error_rate=0.0)
+    with pool.new_session({"image.png": png_bytes(item.image)}) as s:
+        r = s.execute(rec["messages"][1]["content"].split("```python\n")[1].split("\n```")[0])
+    assert rec["messages"][2]["content"] == observation_text(r.stdout, r.stderr, r.status)

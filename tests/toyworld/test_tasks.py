@@ -1,0 +1,73 @@
+"""Generators: ground truth by construction equals an independent re-derivation from the pixels."""
+
+import collections
+
+import numpy as np
+import pytest
+
+from data.toyworld import ANSWER_COLORS, FAMILIES, PALETTE, make_item, verify_item
+from data.toyworld.tasks import EASY_COUNT_MAX, question_kind, verify_answer
+
+CELLS = [(f, d) for f in FAMILIES for d in ("easy", "hard")]
+
+
+@pytest.mark.parametrize("family,difficulty", CELLS)
+def test_verify_matches_ground_truth(family, difficulty):
+    answers = collections.Counter()
+    allowed = {tuple(v) for v in PALETTE.values()} | {(255, 255, 255), (0, 0, 0)}
+    for seed in range(80):
+        item = make_item(family, difficulty, seed, f"t{seed}")
+        assert verify_item(item) == item.answer, (family, difficulty, seed)
+        w, h = item.image.size
+        assert w == h and w % 28 == 0 and w == (112 if difficulty == "easy" else 168)
+        # No anti-aliasing: every pixel is white, black, a grey (clutter) or an exact palette colour.
+        px = {tuple(p) for p in np.asarray(item.image).reshape(-1, 3)}
+        assert all(p in allowed or p[0] == p[1] == p[2] for p in px)
+        assert question_kind(item.question) == item.meta["question_kind"]
+        answers[item.answer] += 1
+    if (family, difficulty) == ("count", "easy"):
+        assert set(answers) == {str(k) for k in range(1, EASY_COUNT_MAX + 1)}
+    elif (family, difficulty) == ("count", "hard"):
+        assert set(answers) <= {str(k) for k in range(7)} and len(answers) >= 6
+    elif (family, difficulty) == ("bars", "easy"):
+        assert set(answers) == {"red", "blue"}
+    elif family == "find":
+        assert set(answers) == set(ANSWER_COLORS)
+
+
+def test_deterministic_and_seed_dependent():
+    a, b, c = (make_item("count", "hard", s, "x") for s in (5, 5, 6))
+    assert np.array_equal(np.asarray(a.image), np.asarray(b.image)) and a.question == b.question
+    assert not np.array_equal(np.asarray(a.image), np.asarray(c.image))
+
+
+def test_hard_bars_are_close():
+    for seed in range(40):
+        item = make_item("bars", "hard", seed, "b")
+        h = sorted(b["height"] for b in item.meta["bars"])
+        assert 1 <= h[-1] - h[-2] <= 3 and h[-1] - h[0] <= 12
+        assert len({b["color"] for b in item.meta["bars"]}) == len(h) >= 5
+
+
+def test_verify_detects_a_changed_image():
+    """The check can fail: hiding one target shape changes the derived count."""
+    item = next(it for s in range(50) if int((it := make_item("count", "hard", s, "c")).answer) > 0)
+    shape = next(s for s in item.meta["shapes"] if (s["color"], s["kind"]) == (item.meta["color"], item.meta["kind"]))
+    a = np.asarray(item.image).copy()
+    a[shape["y"] : shape["y"] + shape["size"], shape["x"] : shape["x"] + shape["size"]] = 255
+    from PIL import Image
+
+    assert verify_answer(Image.fromarray(a), item.question) == str(int(item.answer) - 1)
+
+
+def test_find_hard_decoys_hide_the_answer():
+    """The image holds decoys of other colours only: the target colour appears only inside the box."""
+    for seed in range(30):
+        item = make_item("find", "hard", seed, "f")
+        decoys = {d["color"] for d in item.meta["decoys"]}
+        assert item.answer not in decoys and len(decoys) >= 3
+        x0, y0, x1, y1 = item.meta["box"]
+        mask = np.all(np.asarray(item.image) == PALETTE[item.answer], axis=-1)
+        ys, xs = np.nonzero(mask)
+        assert ys.min() > y0 and ys.max() < y1 and xs.min() > x0 and xs.max() < x1
+        assert 14 <= x1 - x0 + 1 <= 18

@@ -1,0 +1,78 @@
+"""generate_world: all files, counts, held-out eval grid, and byte-identical output for one seed."""
+
+import hashlib
+import json
+import os
+
+import pytest
+from conftest import TINY
+
+from data.toyworld import generate_world, load_prompts
+from data.toyworld.tasks import verify_answer
+from data.trajectory import read_jsonl
+
+
+def _digest(d):
+    h = {}
+    for root, _, files in os.walk(d):
+        for name in files:
+            if name == "world.json":
+                continue
+            p = os.path.join(root, name)
+            with open(p, "rb") as f:
+                h[os.path.relpath(p, d)] = hashlib.sha256(f.read()).hexdigest()
+    return h
+
+
+def test_files_and_counts(world):
+    d, info = world
+    for rel in ("sft/sft.jsonl", "rl/prompts.jsonl", "eval/prompts.jsonl", "world.json", "processor/tokenizer.json"):
+        assert os.path.isfile(os.path.join(d, rel)), rel
+    with open(os.path.join(d, "world.json")) as f:
+        assert json.load(f) == info
+    assert info["splits"]["eval"]["counts"] == {
+        f"{f}/{x}": 1 for f in ("bars", "count", "find") for x in ("easy", "hard")
+    }
+    assert sum(info["splits"]["sft"]["counts"].values()) == 12 and sum(info["splits"]["rl"]["counts"].values()) == 8
+    assert info["sandbox"]["cells"] >= 6  # the hard SFT items ran code
+    tok = info["sft_tokens_per_trajectory"]
+    assert tok["hard"]["mean"] > tok["easy"]["mean"] > 16
+    trajs = list(read_jsonl([os.path.join(d, "sft", "sft.jsonl")], on_error="stop"))
+    assert len(trajs) == 12
+
+
+@pytest.mark.parametrize("split", ["rl", "eval"])
+def test_prompts_load_and_verify(world, split):
+    d, _ = world
+    rows = load_prompts(os.path.join(d, split, "prompts.jsonl"))
+    assert len(rows) == TINY[f"n_{split}"]
+    for r in rows:
+        assert set(r) >= {"id", "family", "difficulty", "question", "answer", "images", "image_paths"}
+        assert len(r["images"]) == 1 and r["images"][0].mode == "RGB"
+        assert r["id"].startswith(split)
+        assert verify_answer(r["images"][0], r["question"]) == r["answer"]  # the PNG on disk is exact
+
+
+def test_deterministic(world, pool, tmp_path):
+    d, _ = world
+    info = generate_world(tmp_path / "again", pool=pool, hard_frac=0.5, error_rate=0.3, vocab_size=400, **TINY)
+    assert _digest(d) == _digest(tmp_path / "again")
+    assert info["special_ids"] == world[1]["special_ids"]
+    other = dict(TINY, seed=TINY["seed"] + 1)
+    generate_world(tmp_path / "other", pool=pool, hard_frac=0.5, error_rate=0.3, vocab_size=400, **other)
+    a = open(os.path.join(d, "sft", "sft.jsonl"), "rb").read()
+    b = open(tmp_path / "other" / "sft" / "sft.jsonl", "rb").read()
+    assert a != b
+
+
+def test_splits_are_disjoint(world):
+    d, _ = world
+    seen = {}
+    for split, rel in (("sft", "sft/sft.jsonl"), ("rl", "rl/prompts.jsonl"), ("eval", "eval/prompts.jsonl")):
+        with open(os.path.join(d, rel)) as f:
+            for line in f:
+                png = os.path.join(d, split, json.loads(line)["images"][0])
+                with open(png, "rb") as g:
+                    key = hashlib.sha256(g.read()).hexdigest()
+                assert key not in seen, (split, seen.get(key))
+                seen[key] = split
