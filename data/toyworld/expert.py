@@ -1,12 +1,20 @@
 """The scripted expert: SFT trajectories whose code really ran in the sandbox.
 
-Easy items get a direct answer (`<think>..</think>\\n<answer>X</answer>`, no code). Hard items get one
-fixed code template per family, executed in a real `SandboxPool` session holding `image.png`; the
-observation is `data.observation.observation_text` of the result with its images (at most 4), and
-the final answer is read back from that observation (the printed number or colour; for `find`, the
-colour of the enlarged crop the cell saved). With probability `error_rate` the expert first writes a
-buggy variant (a misspelt name, a missing import, a wrong dictionary key) that really fails, and then
-the correct code: a recovered error.
+Hard items get one fixed code template per family, executed in a real `SandboxPool` session holding
+`image.png`; the observation is `data.observation.observation_text` of the result with its images
+(at most 4), and the final answer is read back from that observation (the printed number or colour;
+for `find`, the colour of the enlarged crop the cell saved). With probability `error_rate` the
+expert first writes a buggy variant (a misspelt name, a missing import, a wrong dictionary key) that
+really fails, and then the correct code: a recovered error.
+
+Easy items get a direct answer (`<think>..</think>\\n<answer>X</answer>`, no code), except that with
+probability `easy_code_rate` (drawn from the item's rng) they too are solved with code, like a
+cold-start policy that over-uses tools: `count` runs `EASY_COUNT_CODE` (all non-white connected
+components), `bars` runs `BARS_CODE` and answers the tallest bar's colour, `find` runs `FIND_CODE`
+and answers the crop's colour. Easy code never carries a bug, and its think texts are short and
+differ from the hard ones ("I will check with code."). This gives RL with the R_BAT reward
+something to remove: the SFT policy calls tools on some easy items, and RL should lower that rate
+while keeping it high on hard items.
 
 The templates are short and fixed so that a ~1M-parameter model can learn them; only `count` has
 variable parts (the colour and kind words copied from the question). Bugs are chosen whose
@@ -73,6 +81,12 @@ BARS_CODE = (
     + "best = max(heights, key=heights.get)\n"
     + "print('tallest:', best, heights[best])\n"
 )
+EASY_COUNT_CODE = (
+    _HEAD
+    + "mask = np.any(img != 255, axis=-1).astype(np.uint8)\n"
+    + "n, _ = cv2.connectedComponents(mask, connectivity=8)\n"
+    + "print('count:', n - 1)\n"
+)
 FIND_CODE = (
     _HEAD
     + "ys, xs = np.nonzero(np.all(img == 0, axis=-1))\n"
@@ -106,10 +120,16 @@ THINK = {
     ("count", "code"): "The shapes are small and mixed, so I will count the {color} {kind}s with code.",
     ("bars", "code"): "The bars are almost the same height, so I will measure them with code.",
     ("find", "code"): "The marked box is tiny, so I will crop it and enlarge it with code.",
+    ("count", "easy_code"): "I will count the shapes with code.",
+    ("bars", "easy_code"): "I will check with code.",
+    ("find", "easy_code"): "I will look at the box with code.",
     "retry": "The code failed with {error}. I will fix it and run it again.",
     ("count", "final"): "The code counted {answer} {color} {kind}s.",
     ("bars", "final"): "The tallest bar is {color}, {height} pixels tall.",
     ("find", "final"): "The enlarged box shows a {answer} shape.",
+    ("count", "easy_final"): "The code counted {answer} shapes.",
+    ("bars", "easy_final"): "The {answer} bar is taller, {height} pixels.",
+    ("find", "easy_final"): "The crop shows a {answer} shape.",
 }
 
 
@@ -118,8 +138,10 @@ def _fill_count(template: str, item: Item) -> str:
 
 
 def expert_code(item: Item) -> str:
-    """The correct cell for a hard item."""
+    """The correct cell for `item` (for easy items: the cell used when the expert chooses code)."""
     if item.family == "count":
+        if item.difficulty == "easy":
+            return EASY_COUNT_CODE
         return _fill_count(COUNT_CODE, item)
     if item.family == "bars":
         return BARS_CODE
@@ -162,24 +184,32 @@ def _crop_color(png: bytes) -> str:
 
 def _final(item: Item, stdout: str, images: list[bytes]) -> str:
     """The final answer turn, with the answer read from the correct cell's observation."""
+    easy = item.difficulty == "easy"
     if item.family == "count":
         m = re.search(r"^count: (\d+)$", stdout, flags=re.M)
         if not m:
             raise ExpertError(f"{item.id}: no count in the output {stdout!r}")
         answer = m.group(1)
-        think = THINK["count", "final"].format(answer=answer, color=item.meta["color"], kind=item.meta["kind"])
+        if easy:
+            think = THINK["count", "easy_final"].format(answer=answer)
+        else:
+            think = THINK["count", "final"].format(answer=answer, color=item.meta["color"], kind=item.meta["kind"])
     elif item.family == "bars":
         m = re.search(r"^tallest: (\w+) (\d+)$", stdout, flags=re.M)
         if not m:
             raise ExpertError(f"{item.id}: no tallest bar in the output {stdout!r}")
         color, height = m.groups()
-        answer = color if item.meta["question_kind"] == "bars_color" else height
-        think = THINK["bars", "final"].format(color=color, height=height)
+        if easy:  # "Which bar is taller, the red one or the blue one?"
+            answer = color
+            think = THINK["bars", "easy_final"].format(answer=color, height=height)
+        else:
+            answer = color if item.meta["question_kind"] == "bars_color" else height
+            think = THINK["bars", "final"].format(color=color, height=height)
     else:
         if len(images) != 1:
             raise ExpertError(f"{item.id}: expected the crop as one image, got {len(images)}")
         answer = _crop_color(images[0])
-        think = THINK["find", "final"].format(answer=answer)
+        think = THINK["find", "easy_final" if easy else "final"].format(answer=answer)
     if answer != item.answer:
         raise ExpertError(f"{item.id}: the observation gives {answer!r}, the ground truth is {item.answer!r}")
     return answer_turn(think, answer)
@@ -191,14 +221,17 @@ def expert_trajectory(
     rng: np.random.Generator,
     *,
     error_rate: float = 0.15,
+    easy_code_rate: float = 0.3,
 ) -> dict[str, Any]:
     """One SFT record for `item` (the trajectory JSONL format of `data.trajectory`).
 
-    `session_factory(files)` opens a sandbox session (e.g. `pool.new_session`); it is called only
-    for hard items. Returned keys: `id`, `images` (relative paths `img/{id}.png`,
-    `img/{id}-obs{k}.png`), `messages`, `meta` (family, difficulty, question, answer, `error`: the
-    bug name of a recovered error or None, `cells`) — all JSON-able — plus `image_data` (the PNG
-    bytes of `images`, in order) and `timing` (`sandbox_s`), which a writer strips.
+    `session_factory(files)` opens a sandbox session (e.g. `pool.new_session`); it is called for
+    hard items and for the easy items that draw code (`rng.random() < easy_code_rate`; only easy
+    items draw it, hard items draw the bug with `error_rate`). Returned keys: `id`, `images`
+    (relative paths `img/{id}.png`, `img/{id}-obs{k}.png`), `messages`, `meta` (family, difficulty,
+    question, answer, `error`: the bug name of a recovered error or None, `cells`: 0 for a direct
+    answer) — all JSON-able — plus `image_data` (the PNG bytes of `images`, in order) and `timing`
+    (`sandbox_s`), which a writer strips.
     """
     image_png = png_bytes(item.image)
     messages: list[dict[str, Any]] = [{"role": "user", "content": user_content(item.question)}]
@@ -212,7 +245,8 @@ def expert_trajectory(
         "cells": 0,
     }
     sandbox_s = 0.0
-    if item.difficulty == "easy":
+    easy = item.difficulty == "easy"
+    if easy and not rng.random() < easy_code_rate:
         messages.append(
             {
                 "role": "assistant",
@@ -221,10 +255,12 @@ def expert_trajectory(
         )
     else:
         bug = None
-        if rng.random() < error_rate:
+        if not easy and rng.random() < error_rate:
             names = sorted(BUGS[item.family])
             bug = names[int(rng.integers(len(names)))]
-        if item.family == "count":
+        if easy:
+            think = THINK[item.family, "easy_code"]
+        elif item.family == "count":
             think = THINK["count", "code"].format(color=item.meta["color"], kind=item.meta["kind"])
         else:
             think = THINK[item.family, "code"]

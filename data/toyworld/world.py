@@ -6,13 +6,18 @@ Layout under `out_dir`:
     rl/prompts.jsonl, rl/img/*.png        {"id", "family", "difficulty", "question", "answer", "images"}
     eval/prompts.jsonl, eval/img/*.png    the same, a balanced family x difficulty grid
     processor/                            the toy tokenizer + preprocessor (Processor.from_pretrained)
-    world.json                            counts, tokens per trajectory, sandbox time, vocab size
+    world.json                            counts, tokens per trajectory, easy items with code,
+                                          sandbox time, vocab size
 
 Item `i` of a split is drawn from `default_rng([seed, split code, i])`, so splits never share a
 random stream; eval items whose image and question equal an SFT or RL item's are redrawn (counted
 in world.json). Everything but the timings in world.json is a function of the arguments: the
 experts of different items run concurrently (threads, sandbox cells in parallel) and are written
 in item order.
+
+`easy_code_rate` is the share of easy SFT items the expert solves with code (see
+`data.toyworld.expert`): the SFT policy over-uses tools a little, so that RL with R_BAT has an
+easy-item tool-call rate to lower. world.json records it and the number of easy items with code.
 """
 
 from __future__ import annotations
@@ -133,12 +138,15 @@ def load_prompts(jsonl_path: str | os.PathLike) -> list[dict[str, Any]]:
     return rows
 
 
-def run_experts(items: list[Item], pool, seed: int, *, error_rate: float, threads: int) -> list[dict[str, Any]]:
-    """Expert records of `items`, in order; hard items' cells run concurrently in `pool`."""
+def run_experts(
+    items: list[Item], pool, seed: int, *, error_rate: float, threads: int, easy_code_rate: float = 0.3
+) -> list[dict[str, Any]]:
+    """Expert records of `items`, in order; the cells (hard items, easy items with code) run
+    concurrently in `pool`."""
 
     def one(i: int) -> dict[str, Any]:
         rng = np.random.default_rng([seed, SPLIT_CODES["sft"], i, 7])
-        return expert_trajectory(items[i], pool.new_session, rng, error_rate=error_rate)
+        return expert_trajectory(items[i], pool.new_session, rng, error_rate=error_rate, easy_code_rate=easy_code_rate)
 
     with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as ex:
         return list(ex.map(one, range(len(items))))
@@ -173,6 +181,7 @@ def generate_world(
     pool=None,
     workers: int = 2,
     error_rate: float = 0.15,
+    easy_code_rate: float = 0.3,
     vocab_size: int = DEFAULT_VOCAB,
     max_pixels: int = DEFAULT_MAX_PIXELS,
 ) -> dict[str, Any]:
@@ -195,9 +204,13 @@ def generate_world(
         from sandbox import SandboxPool
 
         with SandboxPool(num_workers=workers, **SANDBOX_LIMITS) as own:
-            records = run_experts(sft_items, own, seed, error_rate=error_rate, threads=4 * workers)
+            records = run_experts(
+                sft_items, own, seed, error_rate=error_rate, threads=4 * workers, easy_code_rate=easy_code_rate
+            )
     else:
-        records = run_experts(sft_items, pool, seed, error_rate=error_rate, threads=4 * workers)
+        records = run_experts(
+            sft_items, pool, seed, error_rate=error_rate, threads=4 * workers, easy_code_rate=easy_code_rate
+        )
     sandbox_wall = time.monotonic() - t_sb
 
     sft_path = write_sft(os.path.join(out_dir, "sft"), records)
@@ -243,6 +256,8 @@ def generate_world(
         },
         "sft_tokens_per_trajectory": {k: _stats(v) for k, v in sorted(tokens.items())},
         "recovered_errors": dict(sorted(errors.items())),
+        "easy_code_rate": easy_code_rate,
+        "easy_items_with_code": sum(1 for r in records if r["meta"]["difficulty"] == "easy" and r["meta"]["cells"] > 0),
         "sandbox": {
             "cells": sum(r["meta"]["cells"] for r in records),
             "cell_s": round(sum(r["timing"]["sandbox_s"] for r in records), 2),

@@ -23,11 +23,12 @@ def pool():
 
 @pytest.fixture(scope="session")
 def world(pool, tmp_path_factory):
-    """(directory, world.json) of a tiny world (half its SFT items hard, some with recovered errors)."""
+    """(directory, world.json) of a tiny world (half its SFT items hard, some with recovered errors,
+    about half its easy SFT items solved with code)."""
     from data.toyworld import generate_world
 
     d = tmp_path_factory.mktemp("world")
-    info = generate_world(d, pool=pool, hard_frac=0.5, error_rate=0.3, vocab_size=400, **TINY)
+    info = generate_world(d, pool=pool, hard_frac=0.5, error_rate=0.3, easy_code_rate=0.5, vocab_size=400, **TINY)
     return str(d), info
 
 

@@ -1,5 +1,6 @@
 """The scripted expert: its code really runs in the sandbox, and its answers come from the observations."""
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -10,7 +11,7 @@ from PIL import Image
 
 from data.observation import observation_text
 from data.toyworld import FAMILIES, ExpertError, expert_trajectory, make_item
-from data.toyworld.expert import BUGS, buggy_code, png_bytes
+from data.toyworld.expert import BUGS, EASY_COUNT_CODE, THINK, _crop_color, buggy_code, expert_code, png_bytes
 from data.toyworld.world import write_sft
 from data.trajectory import read_jsonl
 
@@ -72,15 +73,76 @@ def test_every_bug_fails_and_the_fix_succeeds(pool):
 
 def test_easy_items_answer_directly(pool):
     def no_session(files):
-        raise AssertionError("easy items must not use the sandbox")
+        raise AssertionError("easy items must not use the sandbox with easy_code_rate=0")
 
     for family in FAMILIES:
-        item = make_item(family, "easy", 1, "e")
-        rec = expert_trajectory(item, no_session, np.random.default_rng(0), error_rate=1.0)
-        assert _turns(rec) == ["user", "assistant"]
-        content = rec["messages"][1]["content"]
-        assert content.startswith("<think>") and content.endswith(f"</think>\n<answer>{item.answer}</answer>")
-        assert "<code>" not in content
+        for seed in range(10):
+            item = make_item(family, "easy", seed, "e")
+            rec = expert_trajectory(item, no_session, np.random.default_rng(seed), error_rate=1.0, easy_code_rate=0.0)
+            assert _turns(rec) == ["user", "assistant"]
+            content = rec["messages"][1]["content"]
+            assert content.startswith("<think>") and content.endswith(f"</think>\n<answer>{item.answer}</answer>")
+            assert "<code>" not in content
+            assert rec["meta"]["cells"] == 0 and len(rec["image_data"]) == 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_easy_with_code_runs_clean(pool, family):
+    """easy_code_rate=1: the easy item is solved by code that runs cleanly (never a bug, even with
+    error_rate=1), and the answer read from the observation is right."""
+    for seed in range(4):
+        item = make_item(family, "easy", seed, f"{family}-easy-{seed}")
+        rec = expert_trajectory(item, pool.new_session, np.random.default_rng(seed), error_rate=1.0, easy_code_rate=1.0)
+        assert _turns(rec) == ["user", "assistant", "observation", "assistant"]
+        code, obs, final = rec["messages"][1:]
+        assert code["content"].startswith(f"<think>{THINK[family, 'easy_code']}</think>\n<code>\n```python\n")
+        assert expert_code(item).rstrip() in code["content"]
+        assert "[status:" not in obs["content"]
+        assert final["content"].endswith(f"<answer>{item.answer}</answer>")
+        if family == "count":
+            assert obs["content"] == f"count: {item.answer}"
+        elif family == "bars":
+            assert obs["content"].startswith(f"tallest: {item.answer} ")
+        else:
+            assert obs["num_images"] == 1 and len(rec["image_data"]) == 2
+            assert _crop_color(rec["image_data"][1]) == item.answer
+        assert rec["meta"]["cells"] == 1 and rec["meta"]["error"] is None
+
+
+def test_easy_count_code_is_exact(tmp_path, monkeypatch):
+    """EASY_COUNT_CODE (all non-white connected components) counts every easy count image right."""
+    monkeypatch.chdir(tmp_path)
+    for seed in range(300):
+        item = make_item("count", "easy", seed, "c")
+        item.image.save("image.png")
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(EASY_COUNT_CODE, {})
+        assert out.getvalue() == f"count: {item.answer}\n", seed
+
+
+class _Opened(Exception):
+    pass
+
+
+def _uses_code(item, rng, rate):
+    def factory(files):
+        raise _Opened
+
+    try:
+        expert_trajectory(item, factory, rng, error_rate=0.0, easy_code_rate=rate)
+    except _Opened:
+        return True
+    return False
+
+
+def test_easy_code_rate_is_honoured():
+    items = [make_item(FAMILIES[i % 3], "easy", i, f"r{i}") for i in range(60)]
+    used = [_uses_code(it, np.random.default_rng([i, 7]), 0.3) for i, it in enumerate(items)]
+    assert 8 <= sum(used) <= 28  # Binomial(60, 0.3): mean 18, sd 3.5
+    assert used == [_uses_code(it, np.random.default_rng([i, 7]), 0.3) for i, it in enumerate(items)]
+    assert not any(_uses_code(it, np.random.default_rng([i, 7]), 0.0) for i, it in enumerate(items))
+    assert all(_uses_code(it, np.random.default_rng([i, 7]), 1.0) for i, it in enumerate(items))
 
 
 def test_expert_rejects_wrong_ground_truth(pool):

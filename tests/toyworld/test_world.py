@@ -39,6 +39,13 @@ def test_files_and_counts(world):
     assert tok["hard"]["mean"] > tok["easy"]["mean"] > 16
     trajs = list(read_jsonl([os.path.join(d, "sft", "sft.jsonl")], on_error="stop"))
     assert len(trajs) == 12
+    # Some easy SFT items are solved with code (a cold start that over-uses tools); world.json counts them.
+    assert info["easy_code_rate"] == 0.5
+    with open(os.path.join(d, "sft", "sft.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    easy_code = [r for r in rows if r["meta"]["difficulty"] == "easy" and "<code>" in r["messages"][1]["content"]]
+    assert info["easy_items_with_code"] == len(easy_code) >= 1
+    assert all(r["meta"]["cells"] == 1 and r["meta"]["error"] is None for r in easy_code)
 
 
 @pytest.mark.parametrize("split", ["rl", "eval"])
@@ -55,11 +62,15 @@ def test_prompts_load_and_verify(world, split):
 
 def test_deterministic(world, pool, tmp_path):
     d, _ = world
-    info = generate_world(tmp_path / "again", pool=pool, hard_frac=0.5, error_rate=0.3, vocab_size=400, **TINY)
+    info = generate_world(
+        tmp_path / "again", pool=pool, hard_frac=0.5, error_rate=0.3, easy_code_rate=0.5, vocab_size=400, **TINY
+    )
     assert _digest(d) == _digest(tmp_path / "again")
     assert info["special_ids"] == world[1]["special_ids"]
     other = dict(TINY, seed=TINY["seed"] + 1)
-    generate_world(tmp_path / "other", pool=pool, hard_frac=0.5, error_rate=0.3, vocab_size=400, **other)
+    generate_world(
+        tmp_path / "other", pool=pool, hard_frac=0.5, error_rate=0.3, easy_code_rate=0.5, vocab_size=400, **other
+    )
     a = open(os.path.join(d, "sft", "sft.jsonl"), "rb").read()
     b = open(tmp_path / "other" / "sft" / "sft.jsonl", "rb").read()
     assert a != b
