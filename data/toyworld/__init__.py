@@ -21,6 +21,14 @@ code they are trivial (a colour mask and connected components; per-colour row co
 enlarge the marker, then look at the crop that comes back as an observation image). So a policy
 does best by answering easy items directly and writing code for hard ones.
 
+The SFT data does not show that optimum. With probability `easy_code_rate` (default 0.3) the expert
+also solves an easy item with code (all non-white connected components for `count`, the bar-height
+template for `bars`, crop and enlarge for `find`; bug-free, short think texts), so the SFT model
+behaves like a cold-start policy that over-uses tools. This is what the paper's *adaptive tool
+use* needs: RL with the R_BAT reward should lower the tool-call rate on easy items relative to
+the SFT model while keeping it high on hard ones. A world where easy items never used code would
+leave RL nothing to lower. world.json records the rate and the number of easy SFT items with code.
+
 Pieces: `make_item` / `verify_item` (generators and an independent pixel check), `expert_trajectory`
 (scripted SFT trajectories executed in a real `SandboxPool`), `write_toy_processor_files` /
 `toy_model_config` (the toy tokenizer with Qwen's special tokens, and the model preset),
