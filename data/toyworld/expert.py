@@ -4,8 +4,8 @@ Hard items get one fixed code template per family, executed in a real `SandboxPo
 `image.png`; the observation is `data.observation.observation_text` of the result with its images
 (at most 4), and the final answer is read back from that observation (the printed number or colour;
 for `find`, the colour of the enlarged crop the cell saved). With probability `error_rate` the
-expert first writes a buggy variant (a misspelt name, a missing import, a wrong dictionary key) that
-really fails, and then the correct code: a recovered error.
+expert first writes a buggy variant (a misspelt name or a missing import, `BUGS`) that really
+fails, and then the correct code: a recovered error.
 
 Easy items get a direct answer (`<think>..</think>\\n<answer>X</answer>`, no code), except that with
 probability `easy_code_rate` (drawn from the item's rng) they too are solved with code, like a
@@ -16,8 +16,12 @@ differ from the hard ones ("I will check with code."). This gives RL with the R_
 something to remove: the SFT policy calls tools on some easy items, and RL should lower that rate
 while keeping it high on hard items.
 
-The templates are short and fixed so that a ~1M-parameter model can learn them; only `count` has
-variable parts (the colour and kind words copied from the question). Bugs are chosen whose
+The templates are short and fixed so that a ~1M-parameter model can learn them in a few hundred
+steps: one shared 4-line head, no RGB literals (colours are named, `ImageColor.getrgb('red')`, which
+is exact because `tasks.PALETTE` holds PIL's values for those names), hardly any digits (digits are
+single tokens, and long digit strings are what a tiny model garbles). The only variable parts are
+words: the colour and kind copied from a hard count question, and the colour list of `bars` (the
+seven palette names for hard items, the question's 'red', 'blue' for easy ones). Bugs are chosen whose
 traceback stays inside the cell: a wrong file name would print the sandbox machine's
 site-packages path (PIL raises it), which would make the data machine-dependent.
 
@@ -37,7 +41,7 @@ from PIL import Image
 
 from codedance_jax.rollout.prompts import RL_INSTRUCTION
 from data.observation import observation_text
-from data.toyworld.tasks import ANSWER_COLORS, PALETTE, Item, color_name
+from data.toyworld.tasks import PALETTE, Item, color_name
 
 MAX_OBS_IMAGES = 4
 
@@ -57,34 +61,34 @@ def png_bytes(image: Image.Image) -> bytes:
     return buf.getvalue()
 
 
-def _dict_src(names) -> str:
-    return "{" + ", ".join(f"'{n}': {PALETTE[n]}" for n in names) + "}"
-
-
 _HEAD = (
-    "import numpy as np\nimport cv2\nfrom PIL import Image\nimg = np.array(Image.open('image.png').convert('RGB'))\n"
+    "import numpy as np\n"
+    "import cv2\n"
+    "from PIL import Image, ImageColor\n"
+    "img = np.array(Image.open('image.png').convert('RGB'))\n"
 )
 
+# Every template starts with the same four lines and contains no RGB literal: colours are named
+# (`ImageColor.getrgb('red')`, exact because `PALETTE` holds PIL's values). The only variable parts
+# are words copied from the question: COLOR / KIND (count), COLORS (bars: the quoted colour list).
 COUNT_CODE = (
     _HEAD
-    + f"rgb = {_dict_src(ANSWER_COLORS)}['COLOR']\n"
-    + "low, high = {'circles': (0.65, 0.9), 'squares': (0.9, 1.1), 'triangles': (0.3, 0.65)}['KINDs']\n"
-    + "mask = np.all(img == rgb, axis=-1).astype(np.uint8)\n"
-    + "n, labels, stats, _ = cv2.connectedComponentsWithStats(mask, connectivity=8)\n"
+    + "mask = np.all(img == ImageColor.getrgb('COLOR'), axis=-1).astype(np.uint8)\n"
+    + "n, labels, stats, _ = cv2.connectedComponentsWithStats(mask)\n"
     + "fill = stats[1:, 4] / (stats[1:, 2] * stats[1:, 3])\n"
-    + "print('count:', int(((fill >= low) & (fill < high)).sum()))\n"
+    + "kind = np.where(fill > 0.9, 'squares', np.where(fill > 0.65, 'circles', 'triangles'))\n"
+    + "print('count:', int((kind == 'KINDs').sum()))\n"
 )
 BARS_CODE = (
-    _HEAD.replace("import cv2\n", "")
-    + f"colors = {_dict_src(PALETTE)}\n"
-    + "heights = {c: int(np.all(img == v, axis=-1).any(axis=1).sum()) for c, v in colors.items()}\n"
+    _HEAD
+    + "heights = {c: int(np.all(img == ImageColor.getrgb(c), axis=-1).any(axis=1).sum()) for c in [COLORS]}\n"
     + "best = max(heights, key=heights.get)\n"
     + "print('tallest:', best, heights[best])\n"
 )
 EASY_COUNT_CODE = (
     _HEAD
     + "mask = np.any(img != 255, axis=-1).astype(np.uint8)\n"
-    + "n, _ = cv2.connectedComponents(mask, connectivity=8)\n"
+    + "n, _ = cv2.connectedComponents(mask)\n"
     + "print('count:', n - 1)\n"
 )
 FIND_CODE = (
@@ -95,17 +99,19 @@ FIND_CODE = (
     + "Image.fromarray(crop).save('crop.png')\n"
     + "print('box:', xs.min(), ys.min(), xs.max(), ys.max())\n"
 )
+# The colours BARS_CODE measures: all of them for hard items, the two the easy question names.
+BARS_COLORS = {"hard": tuple(PALETTE), "easy": ("red", "blue")}
 
-# family -> bug name -> (wrong, right) substitution applied once to the correct code.
+# family -> bug name -> (right, wrong) substitution applied once to the correct code; every wrong
+# variant raises a NameError inside the cell.
 BUGS: dict[str, dict[str, tuple[str, str]]] = {
     "count": {
-        "name": ("int(((fill >= low)", "int(((fills >= low)"),
+        "name": ("int((kind ==", "int((kinds =="),
         "import": ("import cv2\n", ""),
-        "key": ("['KINDs']", "['KIND']"),
     },
     "bars": {
         "name": ("heights[best])", "height[best])"),
-        "import": ("import numpy as np\n", ""),
+        "import": ("from PIL import Image, ImageColor\n", "from PIL import Image\n"),
     },
     "find": {
         "name": ("Image.fromarray(crop)", "Image.fromarray(crops)"),
@@ -144,7 +150,7 @@ def expert_code(item: Item) -> str:
             return EASY_COUNT_CODE
         return _fill_count(COUNT_CODE, item)
     if item.family == "bars":
-        return BARS_CODE
+        return BARS_CODE.replace("COLORS", ", ".join(f"'{c}'" for c in BARS_COLORS[item.difficulty]))
     if item.family == "find":
         return FIND_CODE
     raise ValueError(f"unknown family {item.family!r}")
@@ -152,8 +158,6 @@ def expert_code(item: Item) -> str:
 
 def buggy_code(item: Item, bug: str) -> str:
     right, wrong = BUGS[item.family][bug]
-    if item.family == "count":
-        right, wrong = _fill_count(right, item), _fill_count(wrong, item)
     code = expert_code(item)
     assert right in code, (item.family, bug)
     return code.replace(right, wrong, 1)

@@ -1,7 +1,8 @@
 """The toy world's three task families, each drawn easy (answerable by sight) or hard (needs code).
 
 Every image is drawn with PIL `ImageDraw` on a white background, without anti-aliasing, in the exact
-RGB values of `PALETTE` (and greys r == g == b for clutter, pure black only for the `find` marker),
+RGB values of `PALETTE` (CSS colour names, each drawn at its `PIL.ImageColor.getrgb` value), greys
+r == g == b for clutter and pure black only for the `find` marker,
 so that a pixel-equality mask recovers each object exactly. The answer is computed from the object
 list while drawing (ground truth by construction); `verify_item` re-derives it from the pixels with
 different code (contours and per-column profiles, where the expert uses component fill ratios and
@@ -34,15 +35,17 @@ HARD_SIZE = 168
 WHITE = (255, 255, 255)
 BLACK = (0, 0, 0)
 
-# Exact colours; none is grey (r == g == b), so clutter never matches a colour mask.
+# CSS / PIL named colours at their exact `ImageColor.getrgb(name)` values, so that code can write
+# `ImageColor.getrgb('red')` instead of an RGB literal. None is grey (r == g == b), white or black,
+# so neither clutter nor the marker ever matches a colour mask.
 PALETTE: dict[str, tuple[int, int, int]] = {
-    "red": (220, 30, 30),
-    "green": (30, 160, 60),
-    "blue": (40, 70, 220),
-    "yellow": (230, 190, 20),
-    "purple": (140, 50, 170),
-    "orange": (240, 130, 20),
-    "cyan": (20, 180, 190),
+    "red": (255, 0, 0),
+    "green": (0, 128, 0),
+    "blue": (0, 0, 255),
+    "yellow": (255, 255, 0),
+    "purple": (128, 0, 128),
+    "orange": (255, 165, 0),
+    "cyan": (0, 255, 255),
 }
 ANSWER_COLORS = ("red", "green", "blue", "yellow")  # colours asked about in count and find
 KINDS = ("circle", "square", "triangle")

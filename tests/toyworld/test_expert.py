@@ -4,6 +4,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import re
 
 import numpy as np
 import pytest
@@ -68,7 +69,9 @@ def test_every_bug_fails_and_the_fix_succeeds(pool):
             for bug in BUGS[family]:
                 r = s.execute(buggy_code(item, bug))
                 assert r.status == "error", (family, bug, r)
-                assert ("KeyError" if bug == "key" else "NameError") in r.stderr
+                assert "NameError" in r.stderr
+            r = s.execute(expert_code(item))
+            assert r.status == "ok", (family, r)
 
 
 def test_easy_items_answer_directly(pool):
@@ -109,16 +112,51 @@ def test_easy_with_code_runs_clean(pool, family):
         assert rec["meta"]["cells"] == 1 and rec["meta"]["error"] is None
 
 
+def _run_here(code: str, item) -> str:
+    item.image.save("image.png")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(code, {})
+    return out.getvalue()
+
+
 def test_easy_count_code_is_exact(tmp_path, monkeypatch):
     """EASY_COUNT_CODE (all non-white connected components) counts every easy count image right."""
     monkeypatch.chdir(tmp_path)
     for seed in range(300):
         item = make_item("count", "easy", seed, "c")
-        item.image.save("image.png")
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            exec(EASY_COUNT_CODE, {})
-        assert out.getvalue() == f"count: {item.answer}\n", seed
+        assert _run_here(EASY_COUNT_CODE, item) == f"count: {item.answer}\n", seed
+
+
+def test_hard_count_code_is_exact(tmp_path, monkeypatch):
+    """The hard count cell (colour mask, components, fill-ratio kinds) is exact on every image."""
+    monkeypatch.chdir(tmp_path)
+    for seed in range(400):
+        item = make_item("count", "hard", seed, "c")
+        assert _run_here(expert_code(item), item) == f"count: {item.answer}\n", seed
+
+
+@pytest.mark.parametrize("difficulty", ["easy", "hard"])
+def test_bars_code_is_exact(tmp_path, monkeypatch, difficulty):
+    monkeypatch.chdir(tmp_path)
+    for seed in range(200):
+        item = make_item("bars", difficulty, seed, "b")
+        top = max(item.meta["bars"], key=lambda b: b["height"])
+        assert _run_here(expert_code(item), item) == f"tallest: {top['color']} {top['height']}\n", seed
+
+
+def test_templates_are_short_and_digit_light():
+    """No RGB literal, hardly any digits: the question's words are the only variable parts."""
+    for family in FAMILIES:
+        for difficulty in ("easy", "hard"):
+            item = make_item(family, difficulty, 1, "t")
+            code = expert_code(item)
+            assert code.startswith("import numpy as np\nimport cv2\nfrom PIL import Image, ImageColor\n")
+            assert not re.search(r"\(\d+, \d+, \d+\)", code)
+            assert sum(ch.isdigit() for ch in code) <= 16, (family, difficulty)
+            assert len(code.splitlines()) <= 9
+            if family == "count" and difficulty == "hard":
+                assert f"getrgb('{item.meta['color']}')" in code and f"== '{item.meta['kind']}s')" in code
 
 
 class _Opened(Exception):

@@ -4,6 +4,7 @@ import collections
 
 import numpy as np
 import pytest
+from PIL import ImageColor
 
 from data.toyworld import ANSWER_COLORS, FAMILIES, PALETTE, make_item, verify_item
 from data.toyworld.tasks import EASY_COUNT_MAX, question_kind, verify_answer
@@ -33,6 +34,23 @@ def test_verify_matches_ground_truth(family, difficulty):
         assert set(answers) == {"red", "blue"}
     elif family == "find":
         assert set(answers) == set(ANSWER_COLORS)
+
+
+def test_palette_is_pil_named_colours():
+    """Every palette name is a CSS/PIL colour name whose `ImageColor.getrgb` value is exactly what is
+    drawn, so code may write `ImageColor.getrgb('red')`; no palette colour is grey, black or white."""
+    for name, rgb in PALETTE.items():
+        assert ImageColor.getrgb(name) == rgb, name
+        assert len(set(rgb)) > 1, name  # not grey (clutter), black (marker) or white (background)
+    assert len(set(PALETTE.values())) == len(PALETTE)
+    assert set(ANSWER_COLORS) <= set(PALETTE)
+    for seed in range(10):
+        item = make_item("count", "hard", seed, "p")
+        for s in item.meta["shapes"]:
+            x, y = s["x"], s["y"]
+            assert np.asarray(item.image)[y + s["size"] - 1, x + s["size"] // 2].tolist() == list(
+                ImageColor.getrgb(s["color"])
+            )
 
 
 def test_deterministic_and_seed_dependent():
