@@ -41,6 +41,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         turn_format="code",  # code (<code>/<interpreter>) | tool_call (release)
         max_pixels=12845056,
         buckets=((2048, 1024, 64), (4096, 2048, 128), (8192, 4096, 256)),  # (tokens, image tokens, windows)
+        group_window=8,  # group examples by bucket within windows of this many batches (1 = off)
     ))
     c.checkpoint = ml_collections.ConfigDict(dict(every_steps=50, keep=3, async_save=True))
     c.export_policy = True  # write WORKDIR/policy (a converted checkpoint) when training ends

@@ -5,23 +5,25 @@
       .map(featurize)                        PIL decode, render, tokenize once, M-RoPE, bucket
       -> to_iter_dataset(threads)            featurization runs in `num_threads` reader threads
       .filter(fits a bucket)                 the rest is counted (kind "too_long", file:line)
-      .batch(batch_size, drop_remainder)     lists of examples
-    SftIterator.__next__: pad the batch to the largest bucket of its examples (`data.batching`)
+    SftIterator: windows of `group_window` batches' worth of examples, grouped by bucket, cut into
+      batches, each padded to the largest bucket of its examples (`data.batching`)
 
-Batching takes consecutive examples and pads them to the largest bucket among them, rather than
-grouping examples per bucket: the iterator state is then just grain's read position (no buffered
-partial batches to checkpoint), and a resumed run continues at exactly the same batch. The cost
-is padding when a short example shares a batch with a long one; the number of shapes stays one
-per bucket.
+Grouping by bucket inside a window: a batch padded to its longest example wastes the rest of the
+rows (attention cost grows with T^2), so the iterator reads `group_window * batch_size` examples,
+sorts them by bucket (stable), cuts them into batches and emits those in an order drawn from
+(seed, window number). The state is grain's read position at the window start plus how many of
+the window's batches were emitted: a restored iterator re-reads the window (deterministic) and
+skips those, so a resumed run continues at exactly the same batch. `group_window=1` is plain
+consecutive batching.
 
 Multi-host: every host must feed the same shapes to a step, so with `process_count > 1` the
 hosts agree on the batch bucket (the max of their choices, one tiny allgather per batch) before
 padding. Use `num_epochs=None` (repeat forever, stop after a number of steps) across hosts: shards
 differ by at most one record, and a host that ran out first would leave the others waiting.
 
-`get_state()/set_state()` (JSON-serializable; grain's orbax `CheckpointHandler` accepts the
-iterator) hold grain's read position and the too-long counts, so a restored iterator continues at
-the same data position. The order depends on (seed, shard_index, shard_count, batch_size).
+`get_state()/set_state()` (JSON-serializable) hold grain's read position at the window start, the
+window number, the batches emitted from it and the too-long counts. The order depends on (seed,
+shard_index, shard_count, batch_size, group_window).
 """
 
 from __future__ import annotations
@@ -63,28 +65,71 @@ class SftIterator(grain.DatasetIterator):
         parent: grain.DatasetIterator,
         buckets: Sequence[Bucket],
         *,
+        batch_size: int,
+        group_window: int = 1,
+        drop_remainder: bool = True,
+        seed: int = 0,
         pad_id: int,
         vision_cfg,
         report: DataReport,
         agree_bucket: Callable[[int], int],
     ):
         super().__init__(parent)
+        if group_window < 1:
+            raise ValueError(f"group_window must be >= 1 (1 = no grouping), got {group_window}")
         self.buckets = tuple(buckets)
         self.report = report
+        self._bs, self._window, self._drop, self._seed = batch_size, group_window, drop_remainder, seed
         self._pad_id, self._vision_cfg, self._agree = pad_id, vision_cfg, agree_bucket
+        self._batches: list[list[Example]] = []
+        self._window_state: Any = None  # grain state at the start of the current window
+        self._window_index = -1
+        self._emitted = 0
         self.last_bucket: int | None = None  # index of the bucket of the last batch (for metrics)
 
+    def _fill(self) -> None:
+        """Read the next window and cut it into batches (grouped by bucket, order from the seed)."""
+        self._window_state = self._parent.get_state()
+        self._window_index += 1
+        self._emitted = 0
+        examples: list[Example] = []
+        for _ in range(self._window * self._bs):
+            try:
+                examples.append(next(self._parent))
+            except StopIteration:
+                break
+        examples.sort(key=lambda ex: ex.bucket)  # stable: equal buckets keep the read order
+        batches = [examples[i : i + self._bs] for i in range(0, len(examples), self._bs)]
+        if batches and self._drop and len(batches[-1]) < self._bs:
+            batches.pop()
+        order = np.random.default_rng([self._seed, self._window_index]).permutation(len(batches))
+        self._batches = [batches[i] for i in order]
+
     def __next__(self) -> dict[str, np.ndarray]:
-        examples: list[Example] = next(self._parent)
+        if self._emitted >= len(self._batches):
+            self._fill()
+            if not self._batches:
+                raise StopIteration
+        examples = self._batches[self._emitted]
+        self._emitted += 1
         idx = self._agree(max(ex.bucket for ex in examples))
         self.last_bucket = idx
         return batching.collate(examples, self.buckets[idx], pad_id=self._pad_id, vision_cfg=self._vision_cfg)
 
     def get_state(self) -> dict[str, Any]:
-        return {"grain": self._parent.get_state(), "too_long": int(self.report.counts["too_long"])}
+        if self._window_state is None:  # nothing read yet
+            return {"grain": self._parent.get_state(), "window": 0, "emitted": 0,
+                    "too_long": int(self.report.counts["too_long"])}
+        return {"grain": self._window_state, "window": self._window_index, "emitted": self._emitted,
+                "too_long": int(self.report.counts["too_long"])}
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._parent.set_state(state["grain"])
+        self._batches, self._emitted = [], 0
+        self._window_index = int(state.get("window", 0)) - 1  # the next _fill re-reads this window
+        if state.get("emitted", 0):
+            self._fill()
+            self._emitted = int(state["emitted"])
         self.report.counts["too_long"] = int(state.get("too_long", 0))
 
 
@@ -105,6 +150,7 @@ def make_sft_iterator(
     prefetch: int = 16,
     drop_remainder: bool = True,
     agree_bucket: Callable[[int], int] | None = None,
+    group_window: int = 1,
 ) -> SftIterator:
     """Batches for the SFT step.
 
@@ -119,6 +165,7 @@ def make_sft_iterator(
       on_error: "skip" counts examples that fit no bucket (kind "too_long"); "stop" raises.
       agree_bucket: maps this host's batch bucket index to the one all hosts use; default
         `max_bucket_across_hosts` (identity on one process).
+      group_window: group examples by bucket within windows of this many batches (1 = off).
     """
     if shard_index is None or shard_count is None:
         import jax
@@ -158,10 +205,14 @@ def make_sft_iterator(
     ds = grain.MapDataset.source(source)[shard_index::shard_count]
     ds = ds.shuffle(seed=seed).repeat(num_epochs).map(featurize)
     opts = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
-    it_ds = ds.to_iter_dataset(opts).filter(fits).batch(batch_size, drop_remainder=drop_remainder, batch_fn=list)
+    it_ds = ds.to_iter_dataset(opts).filter(fits)
     return SftIterator(
         iter(it_ds),
         buckets,
+        batch_size=batch_size,
+        group_window=group_window,
+        drop_remainder=drop_remainder,
+        seed=seed,
         pad_id=processor.pad_id,
         vision_cfg=model_cfg.vision,
         report=report,

@@ -178,7 +178,9 @@ class RolloutEngine:
         mcfg = model.cfg
         self.vocab_limit = min(len(processor.tokenizer), mcfg.text.vocab_size)
         stops = build_stop_table(processor.tokenizer, turn_lib.stop_strings(self.fmt), mcfg.text.vocab_size)
-        self.sampler = Sampler(model, stops, self.sampling, self.vocab_limit, self.cfg.decode_chunk)
+        # Vision placeholders are written by the host only; a sampled one would have no image.
+        banned = (mcfg.image_token_id, mcfg.video_token_id, mcfg.vision_start_token_id, mcfg.vision_end_token_id)
+        self.sampler = Sampler(model, stops, self.sampling, self.vocab_limit, self.cfg.decode_chunk, banned)
         self.hist_len = stops.history
         self.pad_id = processor.pad_id
         self._compiles = CompileCounter()

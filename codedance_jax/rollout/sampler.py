@@ -161,7 +161,8 @@ def categorical(keys, probs_bv):
     return (blk * _BLOCK + idx).astype(jnp.int32)
 
 
-def sample(logits_bv, keys, temperature, top_p, *, vocab_limit: int, top_k: int, use_top_p: bool, greedy: bool):
+def sample(logits_bv, keys, temperature, top_p, *, vocab_limit: int, top_k: int, use_top_p: bool, greedy: bool,
+           banned: tuple[int, ...] = ()):
     """Returns (tokens int32[B], z = logits / temperature float32[B, V], logsumexp(z) float32[B]).
 
     The log-prob of any token t (sampled or forced) is z[t] - lse: before the vocabulary mask and
@@ -170,7 +171,11 @@ def sample(logits_bv, keys, temperature, top_p, *, vocab_limit: int, top_k: int,
     z = logits_bv.astype(jnp.float32) / temperature
     lse = jax.nn.logsumexp(z, axis=-1)
     v = z.shape[-1]
-    zm = jnp.where(jnp.arange(v)[None, :] < vocab_limit, z, -jnp.inf)
+    ids = jnp.arange(v)[None, :]
+    allowed = ids < vocab_limit
+    for t in banned:  # tokens only the host may write (vision placeholders): a policy never samples them
+        allowed = allowed & (ids != t)
+    zm = jnp.where(allowed, z, -jnp.inf)
     if greedy:  # the first maximal id (as argmax), written as two plain reductions: faster on CPU
         best = jnp.max(zm, axis=-1, keepdims=True)
         tok = jnp.min(jnp.where(zm == best, jnp.arange(v)[None, :], v), axis=-1)
@@ -190,7 +195,7 @@ def sample(logits_bv, keys, temperature, top_p, *, vocab_limit: int, top_k: int,
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "steps", "vocab_limit", "top_k", "use_top_p", "greedy"),
+    static_argnames=("graphdef", "steps", "vocab_limit", "top_k", "use_top_p", "greedy", "banned"),
     donate_argnames=("cache",),
 )
 def _decode_chunk(
@@ -217,6 +222,7 @@ def _decode_chunk(
     top_k: int,
     use_top_p: bool,
     greedy: bool,
+    banned: tuple[int, ...] = (),
 ):
     model = nnx.merge(graphdef, state)
     b = logits.shape[0]
@@ -237,6 +243,7 @@ def _decode_chunk(
             top_k=top_k,
             use_top_p=use_top_p,
             greedy=greedy,
+            banned=banned,
         )
         f = forced[rows, jnp.minimum(c["n"], steps - 1)]
         tok = jnp.where(act, jnp.where(f >= 0, f, tok), 0)
@@ -296,8 +303,10 @@ class ChunkOut:
 class Sampler:
     """Holds the split model, the stop table on device and the sampling settings."""
 
-    def __init__(self, model, stops: StopTable, cfg: SamplingConfig, vocab_limit: int, steps: int):
+    def __init__(self, model, stops: StopTable, cfg: SamplingConfig, vocab_limit: int, steps: int,
+                 banned: tuple[int, ...] = ()):
         self.graphdef, self.state = nnx.split(model)
+        self.banned = tuple(sorted(int(t) for t in banned))
         self.cfg = cfg
         self.steps = steps
         self.vocab_limit = vocab_limit
@@ -329,6 +338,7 @@ class Sampler:
             top_k=cfg.top_k,
             use_top_p=cfg.top_p < 1.0,
             greedy=cfg.greedy,
+            banned=self.banned,
         )
         host = jax.device_get({k: out[k] for k in ("tokens", "logprobs", "emitted", "stopped", "active", "limit", "i")})
         chunk = ChunkOut(

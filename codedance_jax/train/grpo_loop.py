@@ -331,13 +331,15 @@ def train_and_evaluate(config, workdir: str) -> dict:
                 save_jsonl(trajs, workdir, name=name, append=True)
             # 5. batch
             t0 = time.perf_counter()
-            exs_bucket = max(rl_batch.trajectory_example(t, processor, cfg, buckets).bucket or len(buckets)
-                             for t in trajs)
-            if exs_bucket >= len(buckets):
-                raise ValueError(f"step {step}: a trajectory fits no GRPO bucket {config.buckets}; raise "
-                                 f"config.buckets to cover rollout.max_total_tokens={config.rollout.max_total_tokens}")
+            exs = [rl_batch.trajectory_example(t, processor, cfg, buckets) for t in trajs]
+            misfit = [e for e in exs if e.bucket is None]
+            if misfit:
+                raise ValueError(f"step {step}: trajectory {misfit[0].source} needs {tuple(misfit[0].needs)} (tokens, "
+                                 f"image tokens, windows), more than config.buckets={config.buckets}; raise the buckets "
+                                 f"to cover the rollout budgets (rollout.max_total_tokens, obs_max_pixels, max_turns)")
+            exs_bucket = max(e.bucket for e in exs)
             bucket = buckets[_agree_bucket(exs_bucket)]
-            local = rl_batch.grpo_batch(trajs, processor, cfg, buckets, a_seq, a_turn, bucket=bucket)
+            local = rl_batch.grpo_batch(trajs, processor, cfg, buckets, a_seq, a_turn, bucket=bucket, examples=exs)
             local = rl_batch.pad_rows(local, rows // hosts)
             local.pop("num_tokens", None)
             bsh = sft.batch_shardings(local, mesh, rules)
@@ -417,7 +419,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
             if stop:
                 log.warning("preemption signal: saved step %d, stopping", step + 1)
                 break
-            if config.eval.every and (step + 1) % config.eval.every == 0 or step + 1 == config.total_steps:
+            if config.eval.every and ((step + 1) % config.eval.every == 0 or step + 1 == config.total_steps):
                 last_eval = run_eval(step + 1)
         final = mdef.model(state.params)
         from codedance_jax.checkpoint import orbax_io

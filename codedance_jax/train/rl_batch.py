@@ -44,10 +44,10 @@ def trajectory_example(traj, processor, cfg: ModelConfig, buckets: Sequence[Buck
 
 
 def grpo_batch(trajs, processor, cfg: ModelConfig, buckets: Sequence[Bucket], a_seq: np.ndarray,
-               a_turn: np.ndarray, *, bucket: Bucket | None = None) -> dict[str, np.ndarray]:
+               a_turn: np.ndarray, *, bucket: Bucket | None = None, examples=None) -> dict[str, np.ndarray]:
     """The GRPO batch of `trajs` (row order kept). A trajectory that fits no bucket is an error
     naming the sizes (raise the buckets or lower the rollout budgets: they must agree)."""
-    exs = [trajectory_example(t, processor, cfg, buckets) for t in trajs]
+    exs = examples if examples is not None else [trajectory_example(t, processor, cfg, buckets) for t in trajs]
     bad = [e for e in exs if e.bucket is None]
     if bad:
         raise ValueError(f"trajectory {bad[0].source} needs {tuple(bad[0].needs)} (tokens, image tokens, windows), "

@@ -92,6 +92,7 @@ def make_data(config, processor, cfg: ModelConfig, workdir: str, per_host_batch:
     it = sft_pipeline.make_sft_iterator(
         source, processor, cfg, batch_size=per_host_batch, buckets=[tuple(b) for b in d.buckets],
         seed=config.seed, num_epochs=None, on_error=d.on_error, turn_format=d.turn_format,
+        group_window=d.get("group_window", 1),
     )
     return it, len(source)
 

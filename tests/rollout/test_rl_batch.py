@@ -2,8 +2,8 @@
 
 import jax
 import numpy as np
-from flax import nnx
 from fakes import FakePool
+from flax import nnx
 from rollout_helpers import random_image, small_config
 
 from codedance_jax import sharding as shd
