@@ -12,20 +12,20 @@ import ml_collections
 def get_config(preset: str = "default") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.world = ml_collections.ConfigDict(dict(n_sft=800, n_rl=400, n_eval=120, hard_frac=0.5, easy_code_rate=0.3, error_rate=0.1,
+    c.world = ml_collections.ConfigDict(dict(n_sft=1200, n_rl=400, n_eval=120, hard_frac=0.5, easy_code_rate=0.3, error_rate=0.1,
                                              workers=2, max_pixels=168 * 168))
     # SFT of the toy model from scratch (random init): AdamW, warmup + cosine (a constant 2e-3
     # diverged in a probe on this machine).
     c.sft = ml_collections.ConfigDict(dict(
-        steps=200, batch_size=32, lr=1e-3, warmup_ratio=0.05,
-        buckets=((96, 16, 4), (256, 64, 16), (384, 64, 16)),
+        steps=500, batch_size=16, lr=1e-3, warmup_ratio=0.05,
+        buckets=((96, 16, 4), (192, 32, 8), (256, 64, 16), (448, 64, 16)),
     ))
     # GRPO with R_BAT from the SFT policy. Group size and prompt count are sized so that a step
     # has groups with mixed outcomes (all-correct groups carry no signal).
     c.grpo = ml_collections.ConfigDict(dict(
-        steps=10, prompts_per_step=16, group_size=8, lr=2e-4, temperature=1.0, mode="full", preset="paper",
-        max_turns=3, max_turn_tokens=192, max_new_tokens=448, max_total_tokens=640,
-        buckets=((384, 64, 16), (640, 96, 24)), grad_accum=1, sandbox_workers=2,
+        steps=8, prompts_per_step=8, group_size=8, lr=5e-5, temperature=1.0, mode="full", preset="paper",
+        max_turns=3, max_turn_tokens=192, max_new_tokens=384, max_total_tokens=448,
+        buckets=((256, 64, 16), (448, 96, 24)), grad_accum=1, sandbox_workers=2,
     ))
     c.eval = ml_collections.ConfigDict(dict(max_turns=3, batch=64, limit=0))
     c.targets = ml_collections.ConfigDict(dict(hard_accuracy=0.9, overall_accuracy=0.75))

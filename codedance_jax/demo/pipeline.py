@@ -108,7 +108,7 @@ def evaluate_policy(c, policy: str, out_dir: str, pool) -> dict:
     rcfg = RolloutConfig.eval(max_turns=c.eval.max_turns, max_turn_tokens=p.max_turn_tokens,
                               max_new_tokens=p.max_new_tokens, max_total_tokens=p.max_total_tokens,
                               decode_chunk=16, obs_max_pixels=112 * 112, prompt_buckets=(128, 256),
-                              obs_buckets=(64, 192), policy=policy)
+                              obs_buckets=(64, 192), append_min_frac=0.5, policy=policy)
     engine = RolloutEngine(model, processor, rcfg, SamplingConfig(greedy=True, seed=c.seed))
     t0 = time.perf_counter()
     summary, trajs = evaluate(engine, prompts, pool, batch=c.eval.batch, keys=FAMILY_KEYS)
@@ -191,7 +191,8 @@ def run(c, workdir: str) -> dict:
     finally:
         pool.close()
 
-    timings["total"] = time.perf_counter() - t_all
+    total = time.perf_counter() - t_all  # the report adds the phases up itself
+    _log(f"all phases: {total / 60:.1f} min")
     paths = write_report(
         os.path.join(workdir, "report"),
         evals={"sft": ev_sft, "grpo": ev_grpo},

@@ -86,6 +86,10 @@ class RolloutConfig:
     obs_max_images: int = 4
     obs_max_pixels: int = 1024 * 28 * 28
     overlap: bool = True
+    # Overlap mode appends ready observations while other rows still decode only once at least this
+    # share of the rows with a cell in flight or done is ready (0 = at once). Each append runs the
+    # whole batch through the model for the chunk, so batching appends saves device time.
+    append_min_frac: float = 0.0
     cache_len: int | None = None  # default: max_total_tokens + the larger of decode_chunk and obs bucket
     exec_deadline_s: float | None = None  # give up on a cell after this long (the pool has its own limit)
     policy: str | None = None  # recorded in each trajectory (the checkpoint that samples)
@@ -410,8 +414,9 @@ class RolloutEngine:
                     self._wait(all_of=True)
                     continue
             if ready and (overlap or not waiting):
-                self._append(ready)
-                continue
+                if not decoding or len(ready) >= self.cfg.append_min_frac * (len(ready) + len(waiting)):
+                    self._append(ready)
+                    continue
             if decoding:
                 self._decode()
                 continue

@@ -31,3 +31,12 @@ def test_demo_mini_writes_the_report(tmp_path):
     rec = json.loads(open(tmp_path / "eval_grpo" / "trajectories.jsonl").readline())
     assert rec["meta"]["family"] in ("count", "bars", "find") and isinstance(rec["text"], str)
     assert all((tmp_path / "eval_grpo" / p).exists() for p in rec["images"])
+
+    # The ablation runner reuses the world and SFT policy and prints Table 3's rows.
+    from codedance_jax.demo.pipeline import ablate
+
+    results = ablate(demo.get_config("mini"), str(tmp_path), modes=("outcome",))
+    assert list(results) == ["sft", "outcome"]
+    table = (tmp_path / "ablation.md").read_text()
+    assert "SFT cold start" in table and "GRPO (R_acc + R_format)" in table
+    assert (tmp_path / "ablate" / "outcome" / "policy" / "codedance.json").exists()

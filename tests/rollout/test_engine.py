@@ -211,3 +211,21 @@ def test_sampling_is_seeded_and_reproducible(model, processor, tmp_path):
     assert [t.tokens for t in back] == [t.tokens for t in a] and back[0].images[1].size == a[0].images[1].size
     assert back[0].turn_status == a[0].turn_status and back[0].temperature == 1.0
     assert_logprobs_match(model, processor, back)
+
+
+def test_batched_appends_keep_trajectories_and_save_calls(model, processor):
+    """append_min_frac only changes when observations are appended, not what the rows see."""
+    prompts = make_prompts(processor, 4, seed=9)
+
+    def script(r, m):
+        return ['<code>\n```python\nprint("a")\n```\n</code>', ANSWER][min(m, 1)] if r % 4 else ANSWER
+
+    out = {}
+    for frac in (0.0, 1.0):
+        eng = RolloutEngine(model, processor, small_config(append_min_frac=frac), SamplingConfig(greedy=True))
+        out[frac] = eng.rollout(prompts, 2, FakePool(0.01), script=script)
+    (a, sa), (b, sb) = out[0.0], out[1.0]
+    assert [t.tokens for t in a] == [t.tokens for t in b]
+    np.testing.assert_allclose(np.concatenate([t.logprobs for t in a]), np.concatenate([t.logprobs for t in b]),
+                               atol=1e-5)
+    assert sb.appends <= sa.appends and sb.appends >= 1
