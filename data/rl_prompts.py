@@ -39,6 +39,7 @@ class RLPrompt:
     answer: str
     images: list  # PIL images
     meta: dict
+    image_paths: list = dataclasses.field(default_factory=list)  # as written in the JSONL (relative)
 
 
 def read_prompts_jsonl(path: str | os.PathLike, load_images: bool = True) -> list[RLPrompt]:
@@ -70,7 +71,8 @@ def read_prompts_jsonl(path: str | os.PathLike, load_images: bool = True) -> lis
                 else:
                     ims.append(p)
             meta = {k: v for k, v in rec.items() if k not in REQUIRED}
-            out.append(RLPrompt(str(rec["id"]), str(rec["question"]), str(rec["answer"]), ims, meta))
+            out.append(RLPrompt(str(rec["id"]), str(rec["question"]), str(rec["answer"]), ims, meta,
+                                list(rec["images"])))
     return out
 
 

@@ -39,6 +39,7 @@ from codedance_jax.train import checkpointing, flops, grpo, optim, rl_batch, sft
 from codedance_jax.train import state as st
 from codedance_jax.train.metrics import MetricWriter, Progress
 from data.batching import check_buckets
+from data.sft_pipeline import max_bucket_across_hosts
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def loss_config(c) -> GRPOLossConfig:
     return GRPOLossConfig(clip_eps=float(c.clip_eps), aggregation=c.aggregation, kl_coef=float(c.kl_coef))
 
 
-def rollout_config(config, workdir: str, *, evaluation: bool = False) -> RolloutConfig:
+def rollout_config(config, *, evaluation: bool = False) -> RolloutConfig:
     r = dict(config.rollout)
     for k in ("temperature", "top_p", "top_k"):
         r.pop(k)
@@ -167,12 +168,6 @@ def _host_slice(global_arr: np.ndarray, n_local: int) -> np.ndarray:
     return global_arr[i * n_local : (i + 1) * n_local]
 
 
-def _agree_bucket(index: int) -> int:
-    if jax.process_count() == 1:
-        return index
-    return int(_global_view(np.array([index], np.int32)).max())
-
-
 def rollout_model(mdef, params, mesh):
     """The policy as a module for the rollout engine: the training arrays themselves on one
     process; a host-local replicated copy (on this host's first device) with several processes."""
@@ -256,9 +251,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
     sampling = SamplingConfig(temperature=config.rollout.temperature, top_p=config.rollout.top_p,
                               top_k=config.rollout.top_k, seed=config.seed)
     model = rollout_model(mdef, state.params, mesh)
-    engine = RolloutEngine(model, processor, dataclasses.replace(rollout_config(config, workdir), policy=policy_dir),
+    engine = RolloutEngine(model, processor, dataclasses.replace(rollout_config(config), policy=policy_dir),
                            sampling)
-    eval_engine = RolloutEngine(model, processor, rollout_config(config, workdir, evaluation=True),
+    eval_engine = RolloutEngine(model, processor, rollout_config(config, evaluation=True),
                                 SamplingConfig(greedy=True, seed=config.seed))
     writer = MetricWriter(workdir, tensorboard=config.tensorboard)
     steps: dict = {}
@@ -338,7 +333,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
                                  f"image tokens, windows), more than config.buckets={config.buckets}; raise the buckets "
                                  f"to cover the rollout budgets (rollout.max_total_tokens, obs_max_pixels, max_turns)")
             exs_bucket = max(e.bucket for e in exs)
-            bucket = buckets[_agree_bucket(exs_bucket)]
+            bucket = buckets[max_bucket_across_hosts(exs_bucket)]
             local = rl_batch.grpo_batch(trajs, processor, cfg, buckets, a_seq, a_turn, bucket=bucket, examples=exs)
             local = rl_batch.pad_rows(local, rows // hosts)
             local.pop("num_tokens", None)

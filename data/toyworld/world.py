@@ -120,22 +120,10 @@ def write_sft(directory: str, records: list[dict[str, Any]]) -> str:
 
 def load_prompts(jsonl_path: str | os.PathLike) -> list[dict[str, Any]]:
     """Rows of a prompts.jsonl with `images` loaded as RGB PIL images (`image_paths` keeps the paths)."""
-    jsonl_path = os.fspath(jsonl_path)
-    base = os.path.dirname(os.path.abspath(jsonl_path))
-    rows = []
-    with open(jsonl_path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            row["image_paths"] = row["images"]
-            images = []
-            for p in row["images"]:
-                with Image.open(os.path.join(base, p)) as im:
-                    images.append(im.convert("RGB"))
-            row["images"] = images
-            rows.append(row)
-    return rows
+    from data.rl_prompts import read_prompts_jsonl
+
+    return [{"id": p.id, "question": p.question, "answer": p.answer, **p.meta, "images": p.images,
+             "image_paths": p.image_paths} for p in read_prompts_jsonl(jsonl_path)]
 
 
 def run_experts(
