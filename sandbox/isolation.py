@@ -59,6 +59,20 @@ def prctl(option: int, arg: int) -> None:
     _check(_libc.prctl(option, arg, 0, 0, 0), f"prctl({option})")
 
 
+_NR_KEYCTL, _KEYCTL_JOIN_SESSION_KEYRING = 250, 1
+_NR_PIVOT_ROOT = 155
+
+
+def join_new_session_keyring() -> None:
+    """Leave the inherited session keyring (the trainer's) for a fresh anonymous one, so that
+    keys the trainer holds are not possessed here even where seccomp is missing."""
+    _check(_libc.syscall(_NR_KEYCTL, _KEYCTL_JOIN_SESSION_KEYRING, None), "keyctl(join)")
+
+
+def pivot_root(new_root: str, put_old: str) -> None:
+    _check(_libc.syscall(_NR_PIVOT_ROOT, new_root.encode(), put_old.encode()), "pivot_root")
+
+
 # --- cgroups v1 -------------------------------------------------------------------------------
 
 CGROUP_ROOT = "/sys/fs/cgroup"
