@@ -17,6 +17,8 @@ import stat
 
 from sandbox import isolation as m
 
+WORKDIR = "/tmp/work"  # the cells' working directory (sandbox.cell.WORKDIR)
+
 # Read-only trees and files a cell may see (missing ones are skipped; symlinks such as a
 # merged-/usr /bin are recreated as symlinks).
 SYSTEM_TREES = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc/fonts",
@@ -24,7 +26,11 @@ SYSTEM_TREES = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc/fonts
 ETC_FILES = ["/etc/ld.so.cache", "/etc/localtime", "/etc/passwd", "/etc/group",
              "/etc/nsswitch.conf", "/etc/mime.types", "/etc/matplotlibrc"]
 DEVICES = ["/dev/null", "/dev/zero", "/dev/urandom", "/dev/random"]
-_STAGE = "/proc/self"  # any directory that exists; see build()
+_COVERED = ("/tmp", "/dev/shm")  # the session's own tmpfs mounts
+
+
+def _under_covered(path: str) -> bool:
+    return any(path == c or path.startswith(c + "/") for c in _COVERED)
 
 
 def _ro_bind(fd: int, target: str, nodev: bool = True) -> None:
@@ -51,7 +57,6 @@ def build(spec: dict, uid: int, python_trees: list[str]) -> int:
     devs = [(d, os.open(d, os.O_PATH | os.O_CLOEXEC)) for d in DEVICES if os.path.exists(d)]
     # The new root is a tmpfs mounted on a directory that every machine has, then entered with
     # pivot_root(".", "."), which needs no directory for the old root.
-    root_fd = None
     stage = "/mnt" if os.path.isdir("/mnt") and not os.path.islink("/mnt") else "/tmp"
     m.mount("tmpfs", stage, "tmpfs", m.MS_NOSUID | m.MS_NODEV, "size=1m,nr_inodes=4096,mode=0755")
     root_fd = os.open(stage, os.O_RDONLY | os.O_DIRECTORY)
@@ -59,14 +64,18 @@ def build(spec: dict, uid: int, python_trees: list[str]) -> int:
     for t, target in links.items():
         os.makedirs("." + os.path.dirname(t), 0o755, exist_ok=True)
         os.symlink(target, "." + t)
+    # An interpreter tree under /tmp (a CI checkout's venv) is bound after the session's tmpfs
+    # covers /tmp, at the same path (file snapshots skip mount points).
+    late = [(t, fd) for t, fd in sources if _under_covered(t)]
     for t, fd in sources:
-        os.makedirs("." + t, 0o755, exist_ok=True)
-        _ro_bind(fd, "." + t)
+        if (t, fd) not in late:
+            os.makedirs("." + t, 0o755, exist_ok=True)
+            _ro_bind(fd, "." + t)
     for f, fd in files + devs:
         os.makedirs("." + os.path.dirname(f), 0o755, exist_ok=True)
         os.close(os.open("." + f, os.O_WRONLY | os.O_CREAT, 0o644))
         _ro_bind(fd, "." + f, nodev=f not in DEVICES)
-    for fd in [fd for _, fd in sources + files + devs]:
+    for fd in [fd for t, fd in sources + files + devs if (t, fd) not in late]:
         os.close(fd)
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
                          ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
@@ -87,10 +96,13 @@ def build(spec: dict, uid: int, python_trees: list[str]) -> int:
     mirror = os.open("/tmp", os.O_RDONLY | os.O_DIRECTORY)
     m.umount_detach("/tmp")  # now reachable only through `mirror`
     m.mount("tmpfs", "/tmp", "tmpfs", flags, opts)
-    from sandbox import cell
-    os.mkdir(cell.WORKDIR, 0o755)
-    os.chown(cell.WORKDIR, uid, uid)
+    os.mkdir(WORKDIR, 0o755)
+    os.chown(WORKDIR, uid, uid)
     m.mount("tmpfs", "/dev/shm", "tmpfs", flags | m.MS_NOEXEC, "size=64m,mode=1777")
+    for t, fd in late:
+        os.makedirs(t, 0o755, exist_ok=True)
+        _ro_bind(fd, t)
+        os.close(fd)
     m.mount(None, "/", None, m.MS_REMOUNT | m.MS_RDONLY | m.MS_NOSUID | m.MS_NODEV)
     if not stat.S_ISDIR(os.fstat(mirror).st_mode):
         raise OSError("the file mirror is not a directory")

@@ -200,53 +200,59 @@ class Snapshot:
 
     # mirror -> live, after a failed cell
     def restore(self) -> None:
+        """Two passes: first remove what the failed cell added and rewrite in place what it
+        changed, then recreate what it removed, hard-linking names of one mirrored inode to the
+        live file that already holds it."""
         def run(live: int) -> None:
-            self._restore_dir(live, self.mirror, self.tree)
+            self._rewritten: set[int] = set()
+            self._restore_dir(live, self.mirror, self.tree, create=False)
+            self._restore_dir(live, self.mirror, self.tree, create=True)
         self._pass(run)
 
-    def _restore_dir(self, lfd: int, mfd: int, tree: dict[str, _Node]) -> None:
+    def _restore_dir(self, lfd: int, mfd: int, tree: dict[str, _Node], create: bool) -> None:
         entries = {n: st for n, st in _entries(lfd).items() if st.st_dev == self.dev}
-        present: dict[str, os.stat_result] = {}
-        for name, st in entries.items():
-            node, kind = tree.get(name), _kind(st.st_mode)
-            if node is None or node.kind != kind or kind == "o":
-                _rmtree(lfd, name)
-            elif kind == "l" and (node.sig is None or _sig(st, self.now) != node.sig):
-                os.unlink(name, dir_fd=lfd)
-            elif kind == "f" and (node.sig is None or _sig(st, self.now) != node.sig):
-                if st.st_ino == node.ino and st.st_nlink == 1:
-                    present[name] = st  # same inode as at the last success: rewrite it in place
-                else:
-                    os.unlink(name, dir_fd=lfd)
-            else:
-                present[name] = st
+        if not create:
+            for name, st in list(entries.items()):
+                node, kind = tree.get(name), _kind(st.st_mode)
+                stale = node is None or node.kind != kind or kind == "o" or (
+                    kind == "l" and (node.sig is None or _sig(st, self.now) != node.sig)) or (
+                    kind == "f" and st.st_ino != node.ino)  # replaced: not the inode it held
+                if stale:
+                    _rmtree(lfd, name)
+                    del entries[name]
         for name, node in tree.items():
-            st = present.get(name)
+            st = entries.get(name)
             if node.kind == "d":
                 if st is None:
+                    if not create:
+                        continue
                     os.mkdir(name, 0o700, dir_fd=lfd)
                     st = os.stat(name, dir_fd=lfd, follow_symlinks=False)
                 cl = _open_dir(lfd, name, st)
                 try:
                     cm = os.open(name, _DIR_FLAGS, dir_fd=mfd)
                     try:
-                        self._restore_dir(cl, cm, node.children)
+                        self._restore_dir(cl, cm, node.children, create)
                     finally:
                         os.close(cm)
                     os.fchmod(cl, node.mode)
                 finally:
                     os.close(cl)
             elif node.kind == "l":
-                if st is None:
+                if st is None and create:
                     os.symlink(os.readlink(name, dir_fd=mfd), name, dir_fd=lfd)
-            elif st is None:
+            elif st is not None and not create:
+                if st.st_ino not in self._rewritten and (
+                        node.sig is None or _sig(st, self.now) != node.sig):
+                    self._rewrite_in_place(mfd, lfd, name, node)
+                    node.sig = None  # new timestamps: checked again at the next sync
+                self._rewritten.add(st.st_ino)
+                self._remember(os.stat(name, dir_fd=mfd, follow_symlinks=False), lfd, name)
+            elif st is None and create:
                 mst = os.stat(name, dir_fd=mfd, follow_symlinks=False)
                 if not self._link_or_none(mst, lfd, name):
                     self._copy_file(mfd, name, lfd, name, mst, node.mode)
                 self._remember(mst, lfd, name)
-                node.sig = None  # new timestamps: checked again at the next sync
-            elif node.sig is None or _sig(st, self.now) != node.sig:
-                self._rewrite_in_place(mfd, lfd, name, node)
                 node.sig = None
 
     def _rewrite_in_place(self, mfd: int, lfd: int, name: str, node: _Node) -> None:
@@ -255,6 +261,7 @@ class Snapshot:
         try:
             dst = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=lfd)
             try:
+                os.ftruncate(dst, 0)  # same inode, no stale data where the mirror has holes
                 _copy_data(src, dst, os.fstat(src).st_size)
                 os.fchmod(dst, node.mode)
             finally:
