@@ -22,6 +22,7 @@ import resource
 import signal
 import sys
 import threading
+import time
 import traceback
 
 from sandbox import figures, isolation, seccomp, wire
@@ -209,12 +210,17 @@ def _threads_finished() -> str:
                 t.join()
             except Exception:  # noqa: BLE001
                 pass
-    try:
-        n = len(os.listdir("/proc/self/task"))
-    except OSError:
-        n = threading.active_count()
-    if n <= 1:
-        return "ok"
+    # A joined thread's OS thread may take a moment to exit after its Python part is done.
+    for attempt in range(200):
+        try:
+            n = len(os.listdir("/proc/self/task"))
+        except OSError:
+            n = threading.active_count()
+        if n <= 1:
+            return "ok"
+        if attempt == 0 and threading.active_count() > 1:
+            break  # a daemon thread is still alive: no point in waiting
+        time.sleep(0.001)
     _say(f"[sandbox] the cell left {n - 1} thread(s) running (daemon threads or threads started "
          "from C); a cell's threads must finish before it ends. The cell was discarded and the "
          "state rolled back\n")

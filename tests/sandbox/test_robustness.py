@@ -174,11 +174,15 @@ def test_images_are_decoded_and_reencoded_before_they_leave(pool):
 
 
 def test_figures_are_capped_before_rendering(pool):
+    # Each figure logs its renders to a file; only the max_images=3 kept ones may be drawn.
     with pool.new_session() as s:
         r = s.execute("import matplotlib.pyplot as plt, warnings\nwarnings.simplefilter('ignore')\n"
-                      "for i in range(40):\n    plt.figure(); plt.plot(range(50))\n")
+                      "def log(event):\n    open('drawn.txt', 'a').write('x')\n"
+                      "for i in range(15):\n    fig = plt.figure(figsize=(2, 2)); plt.plot(range(5))\n"
+                      "    fig.canvas.mpl_connect('draw_event', log)\n")
         assert r.status == "ok", r.stderr
-        assert len(r.images) == 3 and "37 more image(s) dropped" in r.stderr
+        assert len(r.images) == 3 and "12 more image(s) dropped" in r.stderr
+        assert s.execute("print(open('drawn.txt').read())").stdout == "xxx\n"
 
 
 def test_many_large_images_come_back():
