@@ -19,13 +19,22 @@ from PIL import Image
 # Writes a frame on the cell's result pipe (the one pipe it holds besides stdout/stderr).
 FORGE = ("import os, struct\n"
          "def forge(body):\n"
-         "    data = struct.pack('>I', len(body)) + body\n"
+         "    head = struct.pack('>I', len(body))\n"
          "    for fd in map(int, os.listdir('/proc/self/fd')):\n"
          "        try:\n            link = os.readlink(f'/proc/self/fd/{fd}')\n"
          "        except OSError:\n            continue\n"
          "        if fd > 2 and link.startswith('pipe:'):\n"
-         "            view = memoryview(data)\n"
-         "            while view:\n                view = view[os.write(fd, view):]\n")
+         "            for part in (head, body):\n"
+         "                view = memoryview(part)\n"
+         "                while view:\n                    view = view[os.write(fd, view):]\n")
+# A result frame just under the frame cap, with images only the old size check looked at, plus
+# output that would push the supervisor's reply over the cap.
+NEAR_CAP = ("import base64, io\nfrom PIL import Image\nb = io.BytesIO()\n"
+            "Image.new('RGB', (4, 4)).save(b, 'PNG')\n"
+            "n = ((64 << 20) - 2000) // 4 // 3 * 3\n"
+            "img = base64.b64encode(b.getvalue().ljust(n, b'\\0'))\n"
+            "body = b'{\"kind\": \"result\", \"status\": \"ok\", \"pid\": %d, \"images\": [\"%b\", "
+            "\"%b\", \"%b\"]}' % (os.getpid(), img, img, img)\ndel img\nprint('x' * 4000)\n")
 
 
 @pytest.mark.parametrize("forged", [
@@ -33,14 +42,14 @@ FORGE = ("import os, struct\n"
     "b'{\"kind\": \"exit\", \"wait_status\": ' + str(10**40).encode() + b'}'",  # OverflowError
     "b'{\"kind\": \"exit\", \"wait_status\": [1, 2]}'",
     "b'{\"kind\": \"result\", \"status\": \"ok\", \"pid\": 1.5, \"images\": 7}'",
-    "b'{\"kind\": \"result\", \"status\": \"ok\", \"pid\": ' + str(os.getpid()).encode() + "
-    "b', \"images\": [\"' + b'A' * (60 << 20) + b'\"]}'",                  # a reply over the cap
+    "body",                                                                  # a reply over the cap
     "b'\\xff\\xfe not json'",
 ], ids=["nested", "huge-wait-status", "wait-status-list", "bad-types", "near-cap", "garbage"])
 def test_forged_frames_get_a_result_and_keep_the_session(pool, forged):
     with pool.new_session() as s:
         assert s.execute("state = 'kept'").status == "ok"
-        r = s.execute(FORGE + f"forge({forged})\n" + "import time\ntime.sleep(0.3)\n")
+        prelude = NEAR_CAP if forged == "body" else ""
+        r = s.execute(FORGE + prelude + f"forge({forged})\n" + "import time\ntime.sleep(0.3)\n")
         assert r.status in ("ok", "error", "crashed", "timeout"), r
         after = s.execute("print(state)")
         assert (after.status, after.stdout) == ("ok", "kept\n"), after.stderr
