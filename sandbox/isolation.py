@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import platform
 import resource
 import struct
 import sys
@@ -59,8 +60,9 @@ def prctl(option: int, arg: int) -> None:
     _check(_libc.prctl(option, arg, 0, 0, 0), f"prctl({option})")
 
 
-_NR_KEYCTL, _KEYCTL_JOIN_SESSION_KEYRING = 250, 1
-_NR_PIVOT_ROOT = 155
+# (keyctl, pivot_root) by architecture; glibc has no wrapper for either.
+_NR_KEYCTL, _NR_PIVOT_ROOT = {"aarch64": (219, 41)}.get(platform.machine(), (250, 155))
+_KEYCTL_JOIN_SESSION_KEYRING = 1
 
 
 def join_new_session_keyring() -> None:
