@@ -29,6 +29,7 @@ import socket
 import sys
 import time
 import traceback
+import warnings
 
 from sandbox import cell, isolation, rootfs, wire
 from sandbox.workdir import Snapshot
@@ -428,6 +429,7 @@ class Supervisor:
 
         limit = self.spec["max_image_pixels"]
         Image.MAX_IMAGE_PIXELS = limit  # PIL refuses bigger ones before decoding (bomb check)
+        warnings.simplefilter("ignore")  # PIL warns between 1x and 2x; our stderr is the trainer's
         ok, dropped = [], 0
         for b64 in shown:
             if len(ok) >= self.spec["max_images"]:
