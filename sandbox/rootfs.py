@@ -82,27 +82,28 @@ def build(spec: dict, uid: int, python_trees: list[str]) -> int:
         os.symlink(target, f"./dev/{name}")
     for d in ("proc", "tmp", "dev/shm"):
         os.makedirs("./" + d, 0o755, exist_ok=True)
+    # Everything is mounted before pivot_root: afterwards the host's tree is detached, and a
+    # bind from a detached mount fails (EINVAL).
+    # A fresh /proc for the new pid namespace: it lists only this session's processes.
+    m.mount("proc", "./proc", "proc", m.MS_NOSUID | m.MS_NODEV | m.MS_NOEXEC)
+    opts = (f"size={spec['disk_mb']}m,nr_inodes={spec['max_files'] + 64},mode=0700,"
+            f"uid={uid},gid={uid}")
+    flags = m.MS_NOSUID | m.MS_NODEV
+    m.mount("tmpfs", "./tmp", "tmpfs", flags, opts)
+    mirror = os.open("./tmp", os.O_RDONLY | os.O_DIRECTORY)
+    m.umount_detach("./tmp")  # now reachable only through `mirror`
+    m.mount("tmpfs", "./tmp", "tmpfs", flags, opts)
+    os.mkdir("." + WORKDIR, 0o755)
+    os.chown("." + WORKDIR, uid, uid)
+    m.mount("tmpfs", "./dev/shm", "tmpfs", flags | m.MS_NOEXEC, "size=64m,mode=1777")
+    for t, fd in late:
+        os.makedirs("." + t, 0o755, exist_ok=True)
+        _ro_bind(fd, "." + t)
+        os.close(fd)
     m.pivot_root(".", ".")
     m.umount_detach(".")  # the host's root, now stacked under ours
     os.chdir("/")
     os.close(root_fd)
-    # A fresh /proc for the new pid namespace: it lists only this session's processes.
-    m.mount("proc", "/proc", "proc", m.MS_NOSUID | m.MS_NODEV | m.MS_NOEXEC)
-    opts = (f"size={spec['disk_mb']}m,nr_inodes={spec['max_files'] + 64},mode=0700,"
-            f"uid={uid},gid={uid}")
-    flags = m.MS_NOSUID | m.MS_NODEV
-    # The mirror gets room for what the live tree may hold plus the directories a walk needs.
-    m.mount("tmpfs", "/tmp", "tmpfs", flags, opts)
-    mirror = os.open("/tmp", os.O_RDONLY | os.O_DIRECTORY)
-    m.umount_detach("/tmp")  # now reachable only through `mirror`
-    m.mount("tmpfs", "/tmp", "tmpfs", flags, opts)
-    os.mkdir(WORKDIR, 0o755)
-    os.chown(WORKDIR, uid, uid)
-    m.mount("tmpfs", "/dev/shm", "tmpfs", flags | m.MS_NOEXEC, "size=64m,mode=1777")
-    for t, fd in late:
-        os.makedirs(t, 0o755, exist_ok=True)
-        _ro_bind(fd, t)
-        os.close(fd)
     m.mount(None, "/", None, m.MS_REMOUNT | m.MS_RDONLY | m.MS_NOSUID | m.MS_NODEV)
     if not stat.S_ISDIR(os.fstat(mirror).st_mode):
         raise OSError("the file mirror is not a directory")
