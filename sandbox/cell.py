@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import base64
 import builtins
+import gc
 import io
 import linecache
 import os
 import random
 import resource
+import signal
 import sys
+import threading
+import time
 import traceback
 
-from sandbox import figures, isolation, wire
+from sandbox import figures, isolation, seccomp, wire
 
 WORKDIR = "/tmp/work"  # inside the session's private tmpfs; the cwd of every cell
 
@@ -55,22 +59,44 @@ def holder_main(sock, cfg: dict, landlock_rules: list | None, landlock_abi: int)
         isolation.landlock_restrict(landlock_rules, landlock_abi)
     else:
         isolation.prctl(isolation.PR_SET_NO_NEW_PRIVS, 1)
+    if cfg.get("seccomp"):
+        seccomp.install()
+    _set_oom_score_adj(HOLDER_OOM_SCORE_ADJ)
     # Every session is forked from the same zygote: without this, all would draw the same numbers.
     random.seed(os.urandom(32))
+    import cv2
     import numpy as np
     np.random.seed(int.from_bytes(os.urandom(4), "little"))
+    cv2.setRNGSeed(int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF)
     figures.install(cfg["max_images"], cfg["max_image_pixels"])
-    streams = (
-        io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
-                         errors="backslashreplace", line_buffering=True, write_through=True),
-        io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
-                         errors="backslashreplace", line_buffering=True, write_through=True),
-    )
+    for sig in signal.valid_signals():
+        try:
+            _signals[sig] = signal.getsignal(sig)
+        except (ValueError, OSError):
+            pass
     namespace = {"__name__": "__main__", "__builtins__": builtins}
-    _holder_loop(sock, namespace, cfg, streams)
+    _holder_loop(sock, namespace, cfg)
 
 
-def _holder_loop(sock, namespace: dict, cfg: dict, streams) -> None:
+# Under memory pressure in the session's cgroup the kernel kills the highest score first: the cell
+# (1000), then the holder with the state, never first the supervisor (inherited 0). Raising one's
+# own score needs no privilege; writing it needs /proc writable in Landlock (see supervisor).
+CELL_OOM_SCORE_ADJ, HOLDER_OOM_SCORE_ADJ = 1000, 300
+_signals: dict = {}  # the holder's signal dispositions, put back after every successful cell
+
+
+def _set_oom_score_adj(value: int) -> None:
+    try:
+        fd = _open("/proc/self/oom_score_adj", os.O_WRONLY)
+        try:
+            _write(fd, str(value).encode())
+        finally:
+            _close(fd)
+    except OSError:
+        pass
+
+
+def _holder_loop(sock, namespace: dict, cfg: dict) -> None:
     while True:
         try:
             msg, fds = wire.recv_sock(sock, max_fds=3)
@@ -83,7 +109,7 @@ def _holder_loop(sock, namespace: dict, cfg: dict, streams) -> None:
         res_w, out_w, err_w = fds
         pid = _fork()
         if pid == 0:
-            if _run_cell(msg, namespace, cfg, streams, res_w, out_w, err_w):
+            if _run_cell(msg, namespace, cfg, res_w, out_w, err_w):
                 continue  # this process is now the holder
             _exit(0)
         _close(out_w)
@@ -99,27 +125,28 @@ def _holder_loop(sock, namespace: dict, cfg: dict, streams) -> None:
         _close(res_w)
 
 
-def _run_cell(msg, namespace, cfg, streams, res_w, out_w, err_w) -> bool:
+def _streams():
+    # New ones per cell: a cell that closes or replaces sys.stdout must not break the next one.
+    return tuple(io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8",
+                                  errors="backslashreplace", line_buffering=True,
+                                  write_through=True) for fd in (1, 2))
+
+
+def _run_cell(msg, namespace, cfg, res_w, out_w, err_w) -> bool:
     me = _getpid()
     _dup2(out_w, 1)
     _dup2(err_w, 2)
     _close(out_w)
     _close(err_w)
-    try:
-        fd = _open("/proc/self/oom_score_adj", os.O_WRONLY)
-        try:
-            _write(fd, b"1000")  # under memory pressure the cell dies, not the holder with the state
-        finally:
-            _close(fd)
-    except OSError:
-        pass
+    _set_oom_score_adj(CELL_OOM_SCORE_ADJ)
     # Soft limits only, so the next holder can lift them again; the cgroup is the hard bound.
     as_soft = isolation.vm_size_bytes() + (cfg["memory_mb"] << 20)
     resource.setrlimit(resource.RLIMIT_AS, (as_soft, resource.getrlimit(resource.RLIMIT_AS)[1]))
     cpu_soft = int(cfg["timeout_s"]) + 2
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_soft, resource.getrlimit(resource.RLIMIT_CPU)[1]))
-    sys.stdout, sys.stderr = streams
-    sys.stdin = open(os.devnull)
+    sys.stdout, sys.stderr = _streams()
+    sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr
+    sys.stdin = sys.__stdin__ = open(os.devnull)
     figures.reset()
     before = figures.scan_images(WORKDIR)
     code = msg.get("code", "")
@@ -137,6 +164,8 @@ def _run_cell(msg, namespace, cfg, streams, res_w, out_w, err_w) -> bool:
         _say("".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next)))
     if _getpid() != me:
         _exit(0)  # a process forked by the cell reached its end; only the cell child reports
+    if status == "ok":
+        status = _threads_finished()
     try:
         images, notes = figures.collect(WORKDIR, before)
     except Exception as e:  # noqa: BLE001
@@ -148,8 +177,15 @@ def _run_cell(msg, namespace, cfg, streams, res_w, out_w, err_w) -> bool:
             s.flush()
         except Exception:  # noqa: BLE001
             pass
-    wire.write_fd(res_w, {"kind": "result", "status": status, "pid": me,
-                          "images": [base64.b64encode(p).decode() for p in images]})
+    for png in images:
+        # One frame per image: a few large images together would exceed the frame cap.
+        try:
+            wire.write_fd(res_w, {"kind": "image", "png": base64.b64encode(png).decode()})
+        except wire.FrameError:
+            _say("[sandbox] an image too large to return was dropped\n")
+    if status == "ok":
+        _reset_process_state()
+    wire.write_fd(res_w, {"kind": "result", "status": status, "pid": me})
     if status != "ok":
         return False
     devnull = _open(os.devnull, os.O_RDWR)
@@ -160,7 +196,59 @@ def _run_cell(msg, namespace, cfg, streams, res_w, out_w, err_w) -> bool:
     for which in (resource.RLIMIT_AS, resource.RLIMIT_CPU):
         hard = resource.getrlimit(which)[1]
         resource.setrlimit(which, (hard, hard))
+    # Now the holder, off the cell's clock: collect this cell's cyclic garbage (figures closed
+    # by plt.close are cycles), then freeze what is left, so that the garbage collector of the
+    # next cells never walks (and so copies on write) the pages of everything kept so far.
+    gc.collect()
+    gc.freeze()
     return True
+
+
+def _threads_finished() -> str:
+    """A cell's threads end with it: non-daemon Python threads are joined (as at interpreter
+    exit; the supervisor's time limit bounds the wait), and any thread still alive then (daemon
+    or started from C) makes the cell fail, so that nothing keeps running in the next holder
+    (mutating a namespace that may be rolled back, racing the file walk, burning CPU)."""
+    main = threading.main_thread()
+    for t in threading.enumerate():
+        if t is not main and not t.daemon:
+            try:
+                t.join()
+            except Exception:  # noqa: BLE001
+                pass
+    # A joined thread's OS thread may take a moment to exit after its Python part is done.
+    for attempt in range(200):
+        try:
+            n = len(os.listdir("/proc/self/task"))
+        except OSError:
+            n = threading.active_count()
+        if n <= 1:
+            return "ok"
+        if attempt == 0 and threading.active_count() > 1:
+            break  # a daemon thread is still alive: no point in waiting
+        time.sleep(0.001)
+    _say(f"[sandbox] the cell left {n - 1} thread(s) running (daemon threads or threads started "
+         "from C); a cell's threads must finish before it ends. The cell was discarded and the "
+         "state rolled back\n")
+    return "error"
+
+
+def _reset_process_state() -> None:
+    """What a successful cell changed in its process that would break the next cells."""
+    for which in (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF):
+        signal.setitimer(which, 0)  # a pending alarm would kill the holder later
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    try:
+        signal.set_wakeup_fd(-1)
+    except (ValueError, OSError):
+        pass
+    for sig, handler in _signals.items():
+        try:
+            if signal.getsignal(sig) is not handler:
+                signal.signal(sig, handler)
+        except (ValueError, OSError, TypeError):
+            pass
+    _set_oom_score_adj(HOLDER_OOM_SCORE_ADJ)
 
 
 def _say(text: str) -> None:

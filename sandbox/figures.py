@@ -31,12 +31,18 @@ def _disabled(what: str, hint: str):
     return refuse
 
 
-def _keep(png: bytes | None) -> None:
-    if png is None:
-        return
-    if len(_shown) >= _limits["max_images"]:
+def _full() -> bool:
+    return len(_shown) >= _limits["max_images"]
+
+
+def _keep(render) -> None:
+    """Render (a callable giving PNG bytes) only while there is room: counting an image as
+    dropped costs nothing, rendering 200 figures to drop 195 of them costs the cell's time."""
+    if _full():
         _dropped[0] += 1
-    else:
+        return
+    png = render()
+    if png is not None:
         _shown.append(png)
 
 
@@ -63,6 +69,20 @@ def pil_png(im) -> bytes:
     return buf.getvalue()
 
 
+def _file_png(path: str) -> bytes:
+    from PIL import Image
+
+    with Image.open(path) as im:
+        # A file is decoded in full before it is scaled down: refuse decompression bombs first.
+        if im.width * im.height > _FILE_PIXELS_FACTOR * _limits["max_pixels"]:
+            raise ValueError(f"{im.width}x{im.height} is too large to return")
+        im.load()
+        return pil_png(im)
+
+
+_FILE_PIXELS_FACTOR = 16
+
+
 def install(max_images: int, max_pixels: int) -> None:
     """Patch the libraries once in the session's first process; forks inherit the patches."""
     _limits.update(max_images=max_images, max_pixels=max_pixels)
@@ -76,15 +96,15 @@ def install(max_images: int, max_pixels: int) -> None:
 
     def show(*_a, **_k):
         for num in plt.get_fignums():
-            _keep(figure_png(plt.figure(num)))
+            _keep(lambda num=num: figure_png(plt.figure(num)))
         plt.close("all")
 
     plt.show = show
-    matplotlib.figure.Figure.show = lambda self, *a, **k: _keep(figure_png(self))
+    matplotlib.figure.Figure.show = lambda self, *a, **k: _keep(lambda: figure_png(self))
     plt.pause = _disabled("plt.pause()", "it needs an interactive window; call plt.show()")
     plt.waitforbuttonpress = _disabled("plt.waitforbuttonpress()", "there is no window")
     plt.ginput = _disabled("plt.ginput()", "there is no window")
-    Image.Image.show = lambda self, *a, **k: _keep(pil_png(self))
+    Image.Image.show = lambda self, *a, **k: _keep(lambda: pil_png(self))
     for name in ("imshow", "namedWindow", "waitKey", "waitKeyEx", "selectROI", "destroyAllWindows",
                  "destroyWindow", "pollKey"):
         setattr(cv2, name, _disabled(f"cv2.{name}()", "there is no display; use plt.show() or "
@@ -120,11 +140,10 @@ def collect(root: str, before: dict[str, tuple[int, int, int]]) -> tuple[list[by
     """End of a cell: shown images, then figures left open, then new or changed image files."""
     notes = []
     import matplotlib.pyplot as plt
-    from PIL import Image
 
     for num in plt.get_fignums():
         try:
-            _keep(figure_png(plt.figure(num)))
+            _keep(lambda num=num: figure_png(plt.figure(num)))
         except Exception as e:  # a broken figure must not hide the cell's own result
             notes.append(f"[sandbox] figure {num} could not be rendered: {e!r}")
     plt.close("all")
@@ -133,9 +152,7 @@ def collect(root: str, before: dict[str, tuple[int, int, int]]) -> tuple[list[by
         if before.get(path) == after[path]:
             continue
         try:
-            with Image.open(path) as im:
-                im.load()
-                _keep(pil_png(im))
+            _keep(lambda path=path: _file_png(path))
         except Exception as e:
             notes.append(f"[sandbox] image file {os.path.relpath(path, root)} not returned: {e!r}")
     if _dropped[0]:

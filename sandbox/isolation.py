@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import platform
 import resource
 import struct
 import sys
@@ -57,6 +58,21 @@ def umount_detach(target: str) -> None:
 
 def prctl(option: int, arg: int) -> None:
     _check(_libc.prctl(option, arg, 0, 0, 0), f"prctl({option})")
+
+
+# (keyctl, pivot_root) by architecture; glibc has no wrapper for either.
+_NR_KEYCTL, _NR_PIVOT_ROOT = {"aarch64": (219, 41)}.get(platform.machine(), (250, 155))
+_KEYCTL_JOIN_SESSION_KEYRING = 1
+
+
+def join_new_session_keyring() -> None:
+    """Leave the inherited session keyring (the trainer's) for a fresh anonymous one, so that
+    keys the trainer holds are not possessed here even where seccomp is missing."""
+    _check(_libc.syscall(_NR_KEYCTL, _KEYCTL_JOIN_SESSION_KEYRING, None), "keyctl(join)")
+
+
+def pivot_root(new_root: str, put_old: str) -> None:
+    _check(_libc.syscall(_NR_PIVOT_ROOT, new_root.encode(), put_old.encode()), "pivot_root")
 
 
 # --- cgroups v1 -------------------------------------------------------------------------------

@@ -8,7 +8,6 @@ run concurrently, at most `num_workers` at a time.
 from __future__ import annotations
 
 import atexit
-import base64
 import collections
 import concurrent.futures
 import itertools
@@ -21,6 +20,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 
 from sandbox import wire
 from sandbox.result import ExecResult
@@ -71,8 +71,8 @@ class SandboxPool:
                     uid_base=_UID_BASE + (os.getpid() % 100) * 1000)
         ours, theirs = socket.socketpair()
         pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"),
-               "LANG": "C.UTF-8", "MPLBACKEND": "Agg", "PYTHONPATH": pkg_parent,
+        # No HOME or anything else of the trainer's: sessions can read this start-up environment.
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "MPLBACKEND": "Agg", "PYTHONPATH": pkg_parent,
                "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                "PYTHONDONTWRITEBYTECODE": "1"}
         self._proc = subprocess.Popen(
@@ -81,7 +81,9 @@ class SandboxPool:
         theirs.close()
         self._zygote = ours
         self._zlock = threading.Lock()
-        self._sessions: set[Session] = set()
+        # Weak: a session the trainer drops without close() is collected, and its finalizer
+        # closes the life socket, which makes its anchor kill it.
+        self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
         self._closed = False
         try:
             hello, _ = wire.recv_sock(ours)
@@ -171,6 +173,7 @@ class Session:
         self._busy = False
         self._closed = False
         self._dead: str | None = None
+        self._finalizer = weakref.finalize(self, _close_sockets, sock, life)
 
     def execute(self, code: str) -> ExecResult:
         """Run one cell and wait for its result."""
@@ -236,8 +239,13 @@ class Session:
             return ExecResult("timeout" if timed_out else "crashed", "",
                               f"[sandbox] session lost: {self._dead}", [],
                               time.monotonic() - t0)
-        return ExecResult(reply["status"], reply["stdout"], reply["stderr"],
-                          [base64.b64decode(b) for b in reply["images"]], reply["elapsed_s"])
+        try:
+            return _parse_reply(reply, self._sock)
+        except (OSError, wire.FrameError, ValueError, TypeError) as e:
+            self._dead = f"its supervisor sent a malformed reply ({e})"
+            self._kill()
+            return ExecResult("crashed", "", f"[sandbox] session lost: {self._dead}", [],
+                              time.monotonic() - t0)
 
     def memory_bytes(self) -> int | None:
         """Memory charged to this session's cgroup (None without the memory cgroup)."""
@@ -270,8 +278,7 @@ class Session:
             while self._queue:
                 self._queue.popleft()[1].cancel()
         self._kill()
-        self._sock.close()
-        self._life.close()
+        self._finalizer()
         self.pool._sessions.discard(self)
 
     def __enter__(self) -> Session:
@@ -279,3 +286,39 @@ class Session:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_STATUSES = ("ok", "error", "timeout", "crashed")
+
+
+def _parse_reply(reply: dict, sock: socket.socket) -> ExecResult:
+    """A supervisor's reply frame, then the raw bytes of the images it lists."""
+    sizes = reply.get("image_sizes", [])
+    if not isinstance(sizes, list) or not all(isinstance(n, int) and 0 <= n <= wire.MAX_FRAME
+                                              for n in sizes):
+        raise ValueError("bad image list")
+    images = []
+    for n in sizes:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            k = sock.recv_into(view[got:], n - got)
+            if not k:
+                raise wire.FrameError("the supervisor closed the channel mid-reply")
+            got += k
+        images.append(bytes(buf))
+    status, stdout, stderr = reply.get("status"), reply.get("stdout"), reply.get("stderr")
+    elapsed = reply.get("elapsed_s")
+    if status not in _STATUSES or not isinstance(stdout, str) or not isinstance(stderr, str):
+        raise ValueError(f"bad reply fields {sorted(reply)}")
+    if not isinstance(elapsed, (int, float)):
+        raise ValueError("bad elapsed_s")
+    return ExecResult(status, stdout, stderr, images, float(elapsed))
+
+
+def _close_sockets(*socks: socket.socket) -> None:
+    for s in socks:
+        try:
+            s.close()
+        except OSError:
+            pass

@@ -20,19 +20,19 @@ kernel kills everything left in its pid namespace.
 from __future__ import annotations
 
 import base64
+import io
 import os
+import resource
 import select
 import signal
 import socket
-import stat
-import struct
+import sys
 import time
 import traceback
+import warnings
 
-from sandbox import cell, isolation, wire
+from sandbox import cell, isolation, rootfs, wire
 from sandbox.workdir import Snapshot
-
-_PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def anchor_main(sess_fd: int, life_fd: int, spec: dict) -> None:
@@ -93,62 +93,6 @@ def _fail(sess_fd: int, error: str) -> None:
         wire.write_fd(sess_fd, {"op": "failed", "error": error})
     except OSError:
         pass
-
-
-def _mount_private_dirs(spec: dict, uid: int) -> int:
-    """Mount the session's view of the filesystem; returns the detached mirror's directory fd."""
-    m = isolation
-    m.mount(None, "/", None, m.MS_REC | m.MS_PRIVATE)
-    # A fresh /proc for the new pid namespace: it lists only this session's processes.
-    m.mount("proc", "/proc", "proc", m.MS_NOSUID | m.MS_NODEV | m.MS_NOEXEC)
-    opts = (f"size={spec['disk_mb']}m,nr_inodes={spec['max_files'] + 64},mode=0700,"
-            f"uid={uid},gid={uid}")
-    flags = m.MS_NOSUID | m.MS_NODEV
-    # An interpreter tree under a directory about to be covered by a private tmpfs (a venv in
-    # /tmp, as CI checkouts may have) would vanish: keep a handle now, bind it back read-only below.
-    covered = ("/tmp", "/dev/shm", "/var/tmp", "/run")
-    hidden = [(t, os.open(t, os.O_PATH)) for t in isolation.python_read_paths()
-              if any(t == c or t.startswith(c + "/") for c in covered)]
-    m.mount("tmpfs", "/tmp", "tmpfs", flags, opts)
-    mirror = os.open("/tmp", os.O_RDONLY | os.O_DIRECTORY)
-    m.umount_detach("/tmp")  # now reachable only through `mirror`
-    m.mount("tmpfs", "/tmp", "tmpfs", flags, opts)
-    os.mkdir(cell.WORKDIR, 0o755)
-    os.chown(cell.WORKDIR, uid, uid)
-    for path, size in (("/dev/shm", 64), ("/var/tmp", 1), ("/run", 1)):
-        if os.path.isdir(path) and not os.path.islink(path):
-            m.mount("tmpfs", path, "tmpfs", flags | m.MS_NOEXEC, f"size={size}m,mode=1777")
-    for tree, fd in hidden:
-        os.makedirs(tree, 0o755, exist_ok=True)
-        m.mount(f"/proc/self/fd/{fd}", tree, None, m.MS_BIND | m.MS_REC)
-        m.mount(None, tree, None, m.MS_REMOUNT | m.MS_BIND | m.MS_RDONLY | m.MS_NOSUID)
-        os.close(fd)
-    _expose_interpreter(uid, skip={t for t, _ in hidden})
-    return mirror
-
-
-def _expose_interpreter(uid: int, skip: set[str] = frozenset()) -> None:
-    """The interpreter may live under a directory the session uid cannot traverse (pyenv under
-    /root, mode 0700). Cover that directory with an empty tmpfs and bind back only the
-    interpreter trees: the rest of it (keys, caches) stays out of sight."""
-    covers: dict[str, list[tuple[str, int]]] = {}
-    for tree in isolation.python_read_paths():
-        if tree in skip:  # already bound back inside the session's own tmpfs
-            continue
-        parts = tree.strip("/").split("/")
-        for i in range(1, len(parts)):
-            anc = "/" + "/".join(parts[:i])
-            if not os.stat(anc).st_mode & stat.S_IXOTH:
-                covers.setdefault(anc, []).append((tree, os.open(tree, os.O_PATH)))
-                break
-    m = isolation
-    for anc, trees in covers.items():
-        m.mount("tmpfs", anc, "tmpfs", m.MS_NOSUID | m.MS_NODEV, "size=1m,mode=0755")
-        for tree, fd in trees:
-            os.makedirs(tree, 0o755, exist_ok=True)
-            m.mount(f"/proc/self/fd/{fd}", tree, None, m.MS_BIND | m.MS_REC)
-            m.mount(None, tree, None, m.MS_REMOUNT | m.MS_BIND | m.MS_RDONLY | m.MS_NOSUID)
-            os.close(fd)
 
 
 def _join_cgroups(spec: dict) -> dict[str, int]:
@@ -212,7 +156,10 @@ def _receive_files(sock, listing, max_bytes: int) -> None:
 
 def _landlock_rules(extra_rw: list) -> list:
     rw = ~0 & ((1 << 16) - 1)
-    rules = [(p, isolation.READ_ONLY) for p in isolation.SYSTEM_READ_PATHS]
+    rules = [(p, isolation.READ_ONLY) for p in isolation.SYSTEM_READ_PATHS if p != "/proc"]
+    # /proc is this session's own (pid namespace); writing it is how a process sets its own
+    # oom_score_adj (cells 1000, the holder lower), which a read-only /proc silently prevented.
+    rules.append(("/proc", isolation.READ_ONLY | isolation.FS_WRITE_FILE))
     rules += [(p, isolation.READ_ONLY) for p in isolation.python_read_paths()]
     rules += [("/tmp", rw), ("/dev/shm", rw), ("/dev/null", rw)]
     return rules + [(x, rw) for x in extra_rw]
@@ -222,11 +169,20 @@ def _supervisor_main(sess_fd: int, spec: dict) -> None:
     isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
     sock = socket.socket(fileno=sess_fd)
     uid = spec["uid"]
-    mirror = _mount_private_dirs(spec, uid)
-    cg = _join_cgroups(spec)
+    cg = _join_cgroups(spec)  # before the new root: it has no /sys/fs/cgroup
+    mirror = rootfs.build(spec, uid, isolation.python_read_paths())
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
+    try:
+        isolation.join_new_session_keyring()  # owned by the session uid, empty
+    except OSError:
+        pass  # no keyrings in this kernel: nothing to leave
+    # The file walk holds two descriptors per directory level and recurses once per level; the
+    # tmpfs inode limit bounds both.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 4 * spec["max_files"] + 1000))
     isolation.prctl(isolation.PR_SET_DUMPABLE, 0)  # the holder shares our uid: no ptrace of us
     abi = spec["layers"]["landlock_abi"]
     holder_rules = _landlock_rules([]) if abi else None
@@ -265,13 +221,47 @@ class Supervisor:
                 msg, _ = wire.recv_sock(self.sock)
             except (wire.FrameError, OSError):
                 os._exit(0)  # the pool closed the session or died
-            if msg.get("op") == "run":
-                reply = self.run(str(msg.get("code", "")))
-            elif msg.get("op") == "stats":
-                reply = {"memory_bytes": self._read_int("usage")}
-            else:
-                reply = {"error": f"unknown op {msg.get('op')!r}"}
-            wire.send_sock(self.sock, reply)
+            t0 = time.monotonic()
+            images: list[bytes] = []
+            # The barrier: whatever a cell made us read or do, the pool gets a reply frame.
+            try:
+                if msg.get("op") == "run":
+                    reply, images = self.run(str(msg.get("code", "")))
+                elif msg.get("op") == "stats":
+                    reply = {"memory_bytes": self._read_int("usage")}
+                else:
+                    reply = {"error": f"unknown op {msg.get('op')!r}"}
+            except BaseException as e:  # noqa: BLE001
+                reply, images = self._internal_error(e, t0), []
+            self._send(reply, images)
+
+    def _internal_error(self, e: BaseException, t0: float) -> dict:
+        self.lost = f"its supervisor failed ({type(e).__name__}: {e})"[:500]
+        try:
+            self._kill_all_but(None)
+        except BaseException:  # noqa: BLE001
+            pass
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))[-2000:]
+        return _reply("crashed", "", f"[sandbox] internal error in the session's supervisor:\n{tb}"
+                      f"[sandbox] session lost: {self.lost}; start a new session\n", t0)
+
+    def _send(self, reply: dict, images: list[bytes]) -> None:
+        """The reply frame lists the images' sizes; their bytes follow it raw (no base64, and no
+        frame cap on what max_images images of max_image_pixels may weigh)."""
+        reply["image_sizes"] = [len(p) for p in images]
+        try:
+            data = wire.encode(reply)
+        except (wire.FrameError, TypeError, ValueError):
+            for key in ("stdout", "stderr"):
+                if isinstance(reply.get(key), str):
+                    reply[key] = reply[key][:65536] + "\n[sandbox] output cut to fit the reply\n"
+            data = wire.encode(reply)
+        try:
+            self.sock.sendall(data)
+            for p in images:
+                self.sock.sendall(p)
+        except OSError:
+            os._exit(0)
 
     def _read_int(self, key: str) -> int | None:
         fd = self.cg.get(key)
@@ -288,14 +278,19 @@ class Supervisor:
                 return int(line.split()[1])
         return 0
 
-    def run(self, code: str) -> dict:
+    def run(self, code: str) -> tuple[dict, list[bytes]]:
         t0 = time.monotonic()
         self._reap()
         if self.lost is None and not _alive(self.holder):
             self.lost = "the process holding the session's state died"
         if self.lost:
             return _reply("crashed", "", f"[sandbox] session lost: {self.lost}; start a new "
-                          "session", [], t0)
+                          "session", t0), []
+        # A cell may have stopped the holder (SIGSTOP): it would never fork the next cell.
+        try:
+            os.kill(self.holder, signal.SIGCONT)
+        except OSError:
+            pass
         self.n += 1
         oom_before = self._oom_kills()
         res_r, res_w = os.pipe()
@@ -311,7 +306,8 @@ class Supervisor:
         cap = self.spec["max_output_bytes"]
         outs = {out_r: _Capture(cap), err_r: _Capture(cap)}
         reader = wire.FrameReader()
-        result = exit_status = None
+        result = exit_status = garbage = None
+        shown: list = []
         timed_out = False
         deadline = t0 + self.spec["timeout_s"]
         poller = select.poll()
@@ -319,7 +315,7 @@ class Supervisor:
             os.set_blocking(fd, False)
             poller.register(fd, select.POLLIN)
         open_fds = {res_r, out_r, err_r}
-        while result is None and exit_status is None and res_r in open_fds:
+        while result is None and exit_status is None and garbage is None and res_r in open_fds:
             left = deadline - time.monotonic()
             if left <= 0:
                 timed_out = True
@@ -334,15 +330,17 @@ class Supervisor:
                 elif fd == res_r:
                     try:
                         frames = reader.feed(data)
-                    except wire.FrameError:
-                        frames = [{"kind": "garbage"}]
+                    except wire.FrameError as e:
+                        garbage, frames = str(e)[:200], []
                     for f in frames:
-                        if f.get("kind") == "result" and result is None:
+                        kind = f.get("kind")
+                        if kind == "image" and result is None:
+                            if len(shown) < self.spec["max_images"] + 1:
+                                shown.append(f.get("png"))
+                        elif kind == "result" and result is None:
                             result = f
-                        elif f.get("kind") == "exit":
+                        elif kind == "exit":
                             exit_status = f.get("wait_status")
-                        elif f.get("kind") == "garbage":
-                            exit_status = -1
                 else:
                     outs[fd].add(data)
         status, notes, images = "error", [], []
@@ -351,14 +349,19 @@ class Supervisor:
             status = "timeout"
             notes.append(f"[sandbox] timeout: the cell ran longer than {self.spec['timeout_s']:g} s "
                          "and was killed; the state was rolled back to the last successful cell")
+        elif garbage is not None:
+            notes.append(f"[sandbox] the cell wrote malformed data on the sandbox's result channel "
+                         f"({garbage}); the cell was discarded")
         elif result is not None:
             status = "error" if result.get("status") != "ok" else "ok"
-            images, dropped = self._check_images(result.get("images"))
+            images, dropped = self._check_images(shown)
             if dropped:
-                notes.append(f"[sandbox] {dropped} image(s) dropped: not a PNG within the limits")
+                notes.append(f"[sandbox] {dropped} image(s) dropped: not a decodable PNG within "
+                             "the limits")
             pid = result.get("pid")
             if status == "ok":
-                if isinstance(pid, int) and pid > 1 and _alive(pid):
+                # The cell child of the holder (or, if the cell killed the holder, our orphan).
+                if _is_pid(pid) and _alive(pid) and _parent(pid) in (self.holder, os.getpid()):
                     new_holder = pid
                 else:
                     status = "crashed"
@@ -374,10 +377,19 @@ class Supervisor:
             os.close(fd)
         if new_holder:
             self.holder = new_holder
-            self.snapshot.sync()
+            try:
+                self.snapshot.sync()
+            except OSError as e:
+                self._files_lost(f"its files could not be saved after the cell ({e})", notes)
+                status = "crashed"
         else:
-            self.snapshot.restore()
-            if not _alive(self.holder):
+            try:
+                self.snapshot.restore()
+            except OSError as e:
+                self._files_lost(f"its files could not be rolled back ({e})", notes)
+            if self.lost:
+                pass
+            elif not _alive(self.holder):
                 self.lost = "the cell killed the process holding the session's state"
                 notes.append(f"[sandbox] {self.lost}; this session cannot run more cells")
             elif status != "timeout":
@@ -386,10 +398,16 @@ class Supervisor:
         stderr = outs[err_r].text()
         if notes:
             stderr += ("" if not stderr or stderr.endswith("\n") else "\n") + "\n".join(notes) + "\n"
-        return _reply(status, outs[out_r].text(), stderr, images, t0)
+        return _reply(status, outs[out_r].text(), stderr, t0), images
+
+    def _files_lost(self, why: str, notes: list[str]) -> None:
+        self.lost = why[:500]
+        notes.append(f"[sandbox] {self.lost}; this session cannot run more cells")
+        self._kill_all_but(None)
 
     def _describe_exit(self, wait_status, oom_before: int) -> tuple[str, str]:
-        if not isinstance(wait_status, int) or wait_status < 0:
+        # The exit frame comes from the holder, which user code may have rewritten: any value.
+        if not _is_int(wait_status) or not 0 <= wait_status <= 0xFFFF:
             return "crashed", "[sandbox] the cell's process vanished without a result"
         if os.WIFEXITED(wait_status):
             code = os.WEXITSTATUS(wait_status)
@@ -404,24 +422,38 @@ class Supervisor:
         name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
         return "crashed", f"[sandbox] the cell's process was killed by {name}"
 
-    def _check_images(self, images) -> tuple[list[str], int]:
-        if not isinstance(images, list):
-            return [], 0
+    def _check_images(self, shown: list) -> tuple[list[bytes], int]:
+        """Only PNGs that PIL decodes completely within max_image_pixels leave the session, and
+        re-encoded: the trainer never gets the cell's bytes (trailing data, odd chunks, bombs)."""
+        from PIL import Image
+
+        limit = self.spec["max_image_pixels"]
+        Image.MAX_IMAGE_PIXELS = limit  # PIL refuses bigger ones before decoding (bomb check)
+        warnings.simplefilter("ignore")  # PIL warns between 1x and 2x; our stderr is the trainer's
         ok, dropped = [], 0
-        for b64 in images:
+        for b64 in shown:
+            if len(ok) >= self.spec["max_images"]:
+                dropped += 1
+                continue
             try:
                 png = base64.b64decode(b64, validate=True)
-                w, h = struct.unpack(">II", png[16:24])
-                good = png.startswith(_PNG) and w * h <= self.spec["max_image_pixels"]
-            except (ValueError, TypeError, struct.error):
-                good = False
-            if good and len(ok) < self.spec["max_images"]:
-                ok.append(b64)
-            else:
+                if not png.startswith(b"\x89PNG\r\n\x1a\n"):
+                    raise ValueError("not a PNG")
+                with Image.open(io.BytesIO(png), formats=["PNG"]) as im:
+                    if im.width * im.height > limit:
+                        raise ValueError("too many pixels")
+                    im.load()
+                    if im.mode not in ("1", "L", "LA", "RGB", "RGBA", "P", "I;16"):
+                        im = im.convert("RGBA")
+                    im.info = {}
+                    out = io.BytesIO()
+                    im.save(out, format="PNG", compress_level=1)
+                ok.append(out.getvalue())
+            except Exception:  # noqa: BLE001 - any failure to decode drops the image
                 dropped += 1
         return ok, dropped
 
-    def _kill_all_but(self, keep: int) -> None:
+    def _kill_all_but(self, keep: int | None) -> None:
         """SIGKILL every process of the session except us and `keep`, until none is left.
 
         Each pass waits (on pidfds, not by polling /proc) until its victims have exited. The
@@ -517,6 +549,23 @@ def _alive(pid: int) -> bool:
     return data[data.rfind(b")") + 2:][:1] not in (b"Z", b"X")
 
 
-def _reply(status: str, stdout: str, stderr: str, images: list, t0: float) -> dict:
-    return {"status": status, "stdout": stdout, "stderr": stderr, "images": images,
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_pid(x) -> bool:
+    return _is_int(x) and 1 < x < (1 << 22)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        return int(data[data.rfind(b")") + 2:].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _reply(status: str, stdout: str, stderr: str, t0: float) -> dict:
+    return {"status": status, "stdout": stdout, "stderr": stderr,
             "elapsed_s": time.monotonic() - t0}

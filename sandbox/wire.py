@@ -84,6 +84,8 @@ def decode_body(body: bytes) -> dict:
         msg = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise FrameError(f"malformed frame: {e}") from None
+    except RecursionError:  # deeply nested arrays or objects, as a cell can forge
+        raise FrameError("malformed frame: nested too deeply") from None
     if not isinstance(msg, dict):
         raise FrameError("malformed frame: not a JSON object")
     return msg

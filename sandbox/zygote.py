@@ -15,9 +15,11 @@ socket closes or gets a byte; the pool sees EOF on it once every process of the 
 
 from __future__ import annotations
 
+import collections
 import gc
 import json
 import os
+import pwd
 import select
 import signal
 import socket
@@ -43,8 +45,37 @@ def _warm_up() -> None:
     fig.savefig(io.BytesIO(), format="png")
     plt.close(fig)
     Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(io.BytesIO(), format="PNG")
+    import threading  # noqa: F401
+
     import sandbox.cell  # noqa: F401  - everything the session side needs, imported before forks
+    import sandbox.rootfs  # noqa: F401
+    import sandbox.seccomp  # noqa: F401
     import sandbox.supervisor  # noqa: F401
+    import sandbox.workdir  # noqa: F401
+
+
+def _probe_seccomp() -> str | None:
+    """Install the filter in a throwaway child and check that keyctl is refused there."""
+    from sandbox import seccomp
+
+    if not seccomp.supported():
+        return "no syscall table for this architecture"
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            seccomp.install()
+            msg = b"" if seccomp.denies_keyctl() else b"the filter did not take effect"
+        except OSError as e:
+            msg = str(e).encode()[:200] or b"failed"
+        os.write(w, msg)
+        os._exit(0)
+    os.close(w)
+    msg = os.read(r, 256)
+    os.close(r)
+    os.waitpid(pid, 0)
+    return msg.decode() or None
 
 
 def main() -> None:
@@ -54,7 +85,15 @@ def main() -> None:
     from sandbox.supervisor import anchor_main
 
     isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
+    try:
+        isolation.join_new_session_keyring()  # nothing forked from here possesses the trainer's keys
+    except OSError:
+        pass
+    # The pool passes no HOME (a forked process can read the start-up environment): matplotlib
+    # finds its font cache under root's home from the password database instead.
+    os.environ["HOME"] = pwd.getpwuid(os.getuid()).pw_dir
     _warm_up()
+    del os.environ["HOME"]
     ns = isolation.probe_namespaces()
     layers = {"net": ns["net"] is None, "landlock_abi": isolation.landlock_abi(), "cgroups": {},
               "missing": {}}
@@ -65,6 +104,11 @@ def main() -> None:
             return
     if ns["net"] is not None:
         layers["missing"]["net namespace"] = f"{ns['net']}: cells can reach the network"
+    sc = _probe_seccomp()
+    layers["seccomp"] = sc is None
+    if sc is not None:
+        layers["missing"]["seccomp"] = (f"{sc}: cells keep keyrings, ptrace, bpf, perf events, "
+                                        "io_uring, namespaces and every socket family")
     if not layers["landlock_abi"]:
         layers["missing"]["landlock"] = ("not supported by this kernel: cells can read any "
                                          "world-readable file and connect to TCP ports")
@@ -90,7 +134,8 @@ def main() -> None:
     wire.send_sock(ctl, {"op": "hello", "layers": layers, "pid": os.getpid()})
     n_spares = max(0, int(cfg.get("spare_sessions", 0)))
     uid_base = int(cfg["uid_base"])
-    free_uids = list(range(uid_base + _MAX_SESSIONS - 1, uid_base - 1, -1))
+    # Least recently freed first: the kernel keeps a uid's keyrings after its last process.
+    free_uids = collections.deque(range(uid_base, uid_base + _MAX_SESSIONS))
     spares: list[dict] = []      # set up up to the holder, waiting for the pool's files
     sessions: dict[int, dict] = {}  # anchor pid -> session (spare or handed to the pool)
     counter = 0
@@ -106,8 +151,8 @@ def main() -> None:
         for ctl_name, base in bases.items():
             dirs[ctl_name] = os.path.join(base, key)
             os.mkdir(dirs[ctl_name])
-        uid = free_uids.pop()
-        spec = dict(cfg, uid=uid, cgroups=dirs, layers=layers)
+        uid = free_uids.popleft()
+        spec = dict(cfg, uid=uid, cgroups=dirs, layers=layers, seccomp=layers["seccomp"])
         sess_pool, sess_sup = socket.socketpair()
         life_pool, life_anchor = socket.socketpair()
         pid = os.fork()
