@@ -18,11 +18,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from codedance_jax.rollout import Prompt, RolloutConfig, RolloutEngine, SamplingConfig, Trajectory, rl_prompt
-
-TEXT_ONLY_INSTRUCTION = (
-    "Think step-by-step within <think></think>. You must provide your final answer in\n<answer> </answer>."
-)
+from codedance_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig, Trajectory, rl_prompt, text_only_prompt
 
 
 @dataclasses.dataclass
@@ -36,13 +32,6 @@ class Policy(Protocol):
     processor: Any
 
     def __call__(self, prompts: Sequence[EvalPrompt]) -> list[Trajectory]: ...
-
-
-def text_only_prompt(processor, prompt_id: str, question: str, images: Sequence[Any]) -> Prompt:
-    content = [{"type": "image"} for _ in images]
-    content.append({"type": "text", "text": f"Question: {question}\n{TEXT_ONLY_INSTRUCTION}"})
-    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-    return Prompt(prompt_id, text, list(images))
 
 
 class RolloutPolicy:

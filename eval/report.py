@@ -62,7 +62,7 @@ JS = """
 """
 
 
-def _img(workdir: str, rel: str, eager: bool, embed: bool) -> str:
+def image_tag(workdir: str, rel: str, eager: bool, embed: bool) -> str:
     src = rel
     if embed:
         with open(os.path.join(workdir, rel), "rb") as f:
@@ -73,7 +73,7 @@ def _img(workdir: str, rel: str, eager: bool, embed: bool) -> str:
     )
 
 
-def _turn_html(m: int, text: str, turn: dict, images: list[str], workdir, eager, embed) -> str:
+def turn_html(m: int, text: str, turn: dict, images: list[str], workdir, eager, embed) -> str:
     status = turn.get("status") or ""
     reasoning = _CODE_BLOCK.sub("", text).strip()
     parts = [
@@ -86,7 +86,7 @@ def _turn_html(m: int, text: str, turn: dict, images: list[str], workdir, eager,
         parts.append(f'<pre class="code">{html.escape(turn["code"])}</pre>')
     if turn.get("observation"):
         parts.append(f'<pre class="obs">{html.escape(turn["observation"])}</pre>')
-    parts.extend(_img(workdir, p, eager, embed) for p in images)
+    parts.extend(image_tag(workdir, p, eager, embed) for p in images)
     parts.append("</div>")
     return "".join(parts)
 
@@ -150,13 +150,13 @@ def write_report(workdir: str, summary: dict | None = None, embed: bool = False,
             f"{p['exec_ok']}/{p['num_tool_calls']} executions ok · {html.escape(str(p.get('finish_reason')))}</div>"
         )
         out.append(f'<pre class="question">{html.escape(str(p.get("asked", p.get("question"))))}</pre>')
-        out.extend(_img(workdir, rel, eager, embed) for rel in images[:n_prompt])
+        out.extend(image_tag(workdir, rel, eager, embed) for rel in images[:n_prompt])
         k = n_prompt
         texts = t.get("turn_texts", [])
         for m, turn in enumerate(turns):
             ni = int(turn.get("n_images", 0))
             out.append(
-                _turn_html(m, texts[m] if m < len(texts) else "", turn, images[k : k + ni], workdir, eager, embed)
+                turn_html(m, texts[m] if m < len(texts) else "", turn, images[k : k + ni], workdir, eager, embed)
             )
             k += ni
         out.append(

@@ -1,9 +1,9 @@
 """The demo pipeline: toy world -> SFT -> eval (before) -> GRPO with R_BAT -> eval (after) -> report.
 
 Every phase is the real component a user would launch on a pod, with the toy world's sizes:
-`data.toyworld.generate_world` (expert trajectories executed in the sandbox), `train.sft_loop`
+`data.toyworld.generate_world` (expert trajectories executed in the sandbox), `runs.sft`
 (TFDS + grain + the sharded SFT step; it exports WORKDIR/sft/policy), evaluation = greedy
-multi-turn rollouts of the held-out split through `RolloutEngine` + `SandboxPool`, `train.grpo_loop`
+multi-turn rollouts of the held-out split through `RolloutEngine` + `SandboxPool`, `runs.grpo`
 (rollouts, R_BAT, GRPO update; exports WORKDIR/grpo/policy), and `demo.report`.
 
 Workdir layout: world/ (world.json, sft/, rl/, eval/, processor/), sft/ (checkpoints, metrics.jsonl,
@@ -93,7 +93,7 @@ def evaluate_policy(c, policy: str, out_dir: str, pool) -> dict:
     """Greedy rollouts of the held-out split; writes trajectories.jsonl (+ `text`, `meta`) and summary.json."""
     import codedance_jax
     from codedance_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig, save_jsonl
-    from codedance_jax.train.grpo_loop import evaluate
+    from codedance_jax.runs.grpo import evaluate
     from data.rl_prompts import read_prompts_jsonl
 
     summary_path = os.path.join(out_dir, "summary.json")
@@ -141,7 +141,8 @@ def _read_jsonl(path: str) -> list[dict]:
 def run(c, workdir: str) -> dict:
     """Runs every phase (skipping finished ones) and returns the report's summary."""
     from codedance_jax.demo.report import write_report
-    from codedance_jax.train import grpo_loop, sft_loop
+    from codedance_jax.runs import grpo as grpo_loop
+    from codedance_jax.runs import sft as sft_loop
 
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
@@ -220,7 +221,7 @@ ABLATION_ROWS = (  # paper Table 3 rows, in its order
 
 def prepare_sft(c, workdir: str) -> tuple[dict, str]:
     """World and SFT policy (reused when they exist), as the demo makes them."""
-    from codedance_jax.train import sft_loop
+    from codedance_jax.runs import sft as sft_loop
 
     world = make_world(c, workdir)
     sft_dir = os.path.join(workdir, "sft")
@@ -235,7 +236,7 @@ def ablate(c, workdir: str, modes=tuple(m for m, _ in ABLATION_ROWS)) -> dict:
     """Table 3 on the toy world: the reward variants trained from the same SFT policy with the same
     seeds (same prompts per step, same sampling keys), each evaluated on the held-out split."""
     from codedance_jax.demo.report import fmt_metric
-    from codedance_jax.train import grpo_loop
+    from codedance_jax.runs import grpo as grpo_loop
 
     workdir = os.path.abspath(workdir)
     c = ml_collections.ConfigDict(c.to_dict())

@@ -42,7 +42,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from eval.report import CSS as EVAL_CSS
-from eval.report import _img, _turn_html
+from eval.report import image_tag, turn_html
 
 FAMILY_ORDER = ("count", "bars", "find")
 DIFFICULTY_ORDER = ("easy", "hard")
@@ -416,7 +416,7 @@ def _example_html(rec: Mapping, traj_dir: str, out_dir: str, copy_to: str | None
            f"{html.escape(' · '.join(info))}</div>"]
     if m.get("question") is not None:
         out.append(f'<pre class="question">{html.escape(str(m["question"]))}</pre>')
-    out += [_img(out_dir, s, True, False) for s in srcs[:n_prompt]]
+    out += [image_tag(out_dir, s, True, False) for s in srcs[:n_prompt]]
     text = rec.get("text", rec.get("turn_texts"))
     per_turn = isinstance(text, list)
     if isinstance(text, str):
@@ -428,7 +428,7 @@ def _example_html(rec: Mapping, traj_dir: str, out_dir: str, copy_to: str | None
         turn = {**t, "code": None} if isinstance(text, str) else t  # the full response already shows the code
         turn = {kk: (str(v) if kk in ("status", "observation", "code") and v is not None else v)
                 for kk, v in turn.items()}
-        out.append(_turn_html(i, t_text, turn, srcs[k : k + ni], out_dir, True, False))
+        out.append(turn_html(i, t_text, turn, srcs[k : k + ni], out_dir, True, False))
         k += ni
     gold = m.get("gold", rec.get("gold"))
     out.append(

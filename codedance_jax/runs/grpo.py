@@ -37,9 +37,8 @@ from codedance_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig, 
 from codedance_jax.rollout.buckets import CompileCounter
 from codedance_jax.train import checkpointing, flops, grpo, optim, rl_batch, sft
 from codedance_jax.train import state as st
+from codedance_jax.train.batching import check_buckets, max_bucket_across_hosts
 from codedance_jax.train.metrics import MetricWriter, Progress
-from data.batching import check_buckets
-from data.sft_pipeline import max_bucket_across_hosts
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +106,7 @@ def model_config(config, processor_dir: str) -> ModelConfig:
 
         cfg = toy_model_config(processor_dir)
     else:
-        from codedance_jax.train.sft_loop import model_config as preset_config
+        from codedance_jax.runs.sft import model_config as preset_config
 
         return preset_config(config)
     return cfg.replace(dtype=config.dtype, param_dtype=config.param_dtype, remat=config.remat)
