@@ -2,8 +2,9 @@
 
 What `python -m launch.eval` calls (configs/eval.py documents every field). The sandbox pool is
 owned by a `sandbox.PoolThread` (the trainers' owner too) and closed at the end; rollouts go
-through `eval.rollouts.evaluate` (via `RolloutPolicy`), the one evaluation rollout of the project; `sandbox.kind="none"`
-runs without code execution (code turns get an error observation: for machines without root).
+through `eval.rollouts.evaluate` (via `RolloutPolicy`), the one evaluation rollout of the project;
+`sandbox.kind="none"` runs without code execution (code turns get an error observation: for
+machines without root).
 """
 
 from __future__ import annotations

@@ -152,8 +152,8 @@ def check(sources: dict[str, tuple[str, bool]]) -> list[str]:
                 continue
             if layer_of(imp.target) > layer_of(src):
                 problems.append(
-                    f"{src}:{imp.line}: imports {imp.target} ({LAYER_NAMES[layer_of(imp.target)]}) from a lower "
-                    f"layer ({LAYER_NAMES[layer_of(src)]}); move the shared piece down or the importer up"
+                    f"{src}:{imp.line}: {LAYER_NAMES[layer_of(src)]} imports {imp.target}, a higher layer "
+                    f"({LAYER_NAMES[layer_of(imp.target)]}); move the shared piece down or the importer up"
                 )
             private = (imp.name or "").startswith("_") and not (imp.name or "").startswith("__")
             private_mod = any(p.startswith("_") and not p.startswith("__") for p in imp.target.split("."))
@@ -166,7 +166,7 @@ def check(sources: dict[str, tuple[str, bool]]) -> list[str]:
     cycle = find_cycle(edges)
     if cycle:
         problems.append("import cycle between packages: " + " -> ".join(cycle))
-    return problems
+    return list(dict.fromkeys(problems))  # one line per import statement
 
 
 def project_sources() -> dict[str, tuple[str, bool]]:
@@ -221,15 +221,16 @@ def test_checker_accepts_a_clean_tree():
     ("codedance_jax.train.grpo_loop", "import data.toyworld"),
     ("codedance_jax.demo.pipeline", "from configs import sft"),  # an application reading run configs
     ("eval.report", "from codedance_jax.demo import report"),
+    ("codedance_jax.train.sft_loop", "def f():\n    from data import sft_pipeline, sft_tfds\n"),
 ])
 def test_checker_rejects_an_upward_import(bad):
     src, text = bad
     tree = _tree(data__observation="x = 1", data__toyworld__world="x = 1", configs__sft="x = 1",
-                 codedance_jax__demo__report="x = 1")
+                 codedance_jax__demo__report="x = 1", data__sft_pipeline="x = 1", data__sft_tfds="x = 1")
     tree.update({"configs": ("", True), "codedance_jax.demo": ("", True), "codedance_jax.train": ("", True)})
     tree[src] = (text, False)
     problems = check(tree)
-    assert any("from a lower layer" in p and p.startswith(src) for p in problems), problems
+    assert any("a higher layer" in p and p.startswith(src) for p in problems), problems
 
 
 def test_checker_rejects_a_private_import_across_packages():

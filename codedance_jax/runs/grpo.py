@@ -20,6 +20,7 @@ the R_BAT statistics are taken over all hosts' trajectories, and the update runs
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -169,8 +170,6 @@ def run_evaluation(ctx: GRPOContext, run: setup.Run, engine: RolloutEngine, prom
 # ----------------------------------------------------------------------------------- the loop
 def train_and_evaluate(config, workdir: str) -> dict:
     """Runs GRPO to `config.total_steps`, resuming from the latest checkpoint in `workdir`."""
-    import contextlib
-
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
     with contextlib.ExitStack() as closing:  # the run's files, then the sandbox pool, closed on any exit
