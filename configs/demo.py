@@ -76,7 +76,7 @@ def get_config(preset: str = "default") -> ml_collections.ConfigDict:
 
     # Greedy evaluation of a policy on the held-out split, with the GRPO rollout budgets.
     r = g.rollout
-    c.eval = ml_collections.ConfigDict(dict(batch_size=16 if mini else 64, limit=0, keys=("family", "difficulty")))
+    c.eval = ml_collections.ConfigDict(dict(batch_size=16 if mini else 64, limit=0, metric_keys=("family", "difficulty")))
     c.eval.seed = seed
     c.eval.rollout = ml_collections.ConfigDict()
     c.eval.rollout.max_turns = 3

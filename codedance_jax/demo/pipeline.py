@@ -80,7 +80,7 @@ def evaluate_policy(c, workdir: str, policy: str, out_dir: str, pool) -> dict:
     rcfg = RolloutConfig.eval(**e.rollout, policy=policy)
     engine = RolloutEngine(model, processor, rcfg, SamplingConfig(greedy=True, seed=e.seed))
     t0 = time.perf_counter()
-    res = evaluate(engine, prompts, pool, batch=e.batch_size, keys=tuple(e.keys))
+    res = evaluate(engine, prompts, pool, batch=e.batch_size, keys=tuple(e.metric_keys))
     summary, trajs = res.summary, res.trajectories
     summary["time_s"] = time.perf_counter() - t0
     os.makedirs(out_dir, exist_ok=True)
