@@ -3,41 +3,90 @@ r"""The end-to-end demo on the toy world: world -> SFT -> eval -> GRPO (R_BAT) -
   python -m launch.demo --workdir=/tmp/codedance_demo                     # ~15 min on 2 CPU cores
   python -m launch.demo --workdir=/tmp/demo_mini --config=configs/demo.py:mini   # seconds-scale (tests)
 
-Sizes are data: override any field, e.g. --config.sft.steps=400 --config.grpo.mode=no_turn.
+The demo is three complete run configs built from the SFT and GRPO ones (as big_vision configs
+compose `common.py`): `sft` (configs/sft.py:tiny with the toy model), `grpo` (configs/grpo.py:tiny)
+and `eval` (greedy held-out evaluation, the field names of configs/eval.py). The pipeline fills in
+paths only (world files, the SFT policy); every size is here and can be overridden, e.g.
+--config.sft.total_steps=400 --config.grpo.rbat.mode=no_turn --config.grpo.rollout.obs_buckets=64,256.
+Fields shared between runs are references: overriding `seed`, `world.max_pixels`, a GRPO rollout
+budget or `sft.total_steps` / `grpo.total_steps` moves what follows from it (evaluation budgets,
+checkpoint and log cadence).
 """
 
 import ml_collections
 
+from configs import grpo as grpo_configs
+from configs import sft as sft_configs
+
+
+def _ceil_div(ref, n):
+    """ceil(ref / n) as a lazy reference (a cadence that follows an overridden step count)."""
+    return (ref + (n - 1)) // n
+
 
 def get_config(preset: str = "default") -> ml_collections.ConfigDict:
+    if preset not in ("default", "mini"):
+        raise ValueError(f"unknown preset {preset!r}: default | mini")
+    mini = preset == "mini"  # for tests: every phase runs, nothing is expected to be learned
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.world = ml_collections.ConfigDict(dict(n_sft=1600, n_rl=400, n_eval=120, hard_frac=0.5, easy_code_rate=0.3, error_rate=0.1,
-                                             workers=2, max_pixels=168 * 168))
+    seed = c.get_ref("seed")
+    c.world = ml_collections.ConfigDict(dict(
+        n_sft=24 if mini else 1600, n_rl=16 if mini else 400, n_eval=12 if mini else 120,
+        hard_frac=0.5, easy_code_rate=0.3, error_rate=0.1, workers=2, max_pixels=168 * 168,
+    ))
+    c.world.seed = seed
+
     # SFT of the toy model from scratch (random init): AdamW, warmup + cosine (a constant 2e-3
     # diverged in a probe on this machine).
-    c.sft = ml_collections.ConfigDict(dict(
-        steps=600, batch_size=16, lr=1e-3, warmup_ratio=0.05,
-        buckets=((96, 16, 4), (192, 32, 8), (256, 64, 16), (448, 64, 16)),
-    ))
-    # GRPO with R_BAT from the SFT policy. Group size and prompt count are sized so that a step
-    # has groups with mixed outcomes (all-correct groups carry no signal).
-    c.grpo = ml_collections.ConfigDict(dict(
-        steps=6, prompts_per_step=8, group_size=8, lr=5e-5, temperature=1.0, mode="full", preset="paper",
-        max_turns=3, max_turn_tokens=192, max_new_tokens=384, max_total_tokens=448,
-        buckets=((256, 64, 16), (448, 96, 24)), grad_accum=1, sandbox_workers=2,
-    ))
-    c.eval = ml_collections.ConfigDict(dict(max_turns=3, batch=64, limit=0))
-    c.targets = ml_collections.ConfigDict(dict(hard_accuracy=0.9, overall_accuracy=0.75))
-    c.examples_per_group = 2
+    s = sft_configs.get_config("tiny")
+    s.model = "toy"  # sized by the world's tokenizer (processor_dir: filled in by the pipeline)
+    s.seed = seed
+    s.batch_size, s.grad_accum, s.total_steps = (8 if mini else 16), 1, (3 if mini else 600)
+    s.optim.update(lr=1e-3, warmup_ratio=0.05)
+    s.mesh.update(data=1, fsdp=-1, tensor=1)
+    s.data.synthetic = 0  # data.jsonl: the world's SFT trajectories, filled in by the pipeline
+    s.data.max_pixels = c.world.get_ref("max_pixels")
+    s.data.buckets = ((96, 16, 4), (192, 32, 8), (256, 64, 16), (448, 64, 16))
+    s.checkpoint.update(every_steps=_ceil_div(s.get_ref("total_steps"), 4), keep=2)
+    s.log_every = _ceil_div(s.get_ref("total_steps"), 20)
+    s.tensorboard = False
+    s.export_policy = True
+    c.sft = s
 
-    if preset == "mini":  # for tests: every phase runs, nothing is expected to be learned
-        c.world.update(n_sft=24, n_rl=16, n_eval=12)
-        c.sft.update(steps=3, batch_size=8)
-        c.grpo.update(steps=2, prompts_per_step=2, group_size=4, max_turn_tokens=48, max_new_tokens=96,
-                      max_total_tokens=448, buckets=((384, 64, 16), (512, 96, 24)))
-        c.eval.update(batch=16)
-        c.examples_per_group = 1
-    elif preset != "default":
-        raise ValueError(f"unknown preset {preset!r}: default | mini")
+    # GRPO with R_BAT from the SFT policy (init_from: filled in by the pipeline). Group size and
+    # prompt count are sized so that a step has groups with mixed outcomes (all-correct groups
+    # carry no signal).
+    g = grpo_configs.get_config("tiny")
+    g.seed = seed
+    g.prompts_per_step, g.group_size, g.total_steps, g.grad_accum = (2, 4, 2, 1) if mini else (8, 8, 6, 1)
+    g.optim.update(lr=5e-5, warmup_ratio=0.0, schedule="constant")
+    g.rbat.update(mode="full", preset="paper")
+    g.rollout.update(max_turns=3, max_turn_tokens=48 if mini else 192, max_new_tokens=96 if mini else 384,
+                     max_total_tokens=448, temperature=1.0, obs_max_pixels=112 * 112, prompt_buckets=(128, 256),
+                     obs_buckets=(64, 192))
+    g.sandbox.update(num_workers=2, timeout_s=10.0, memory_mb=1024)
+    g.buckets = ((384, 64, 16), (512, 96, 24)) if mini else ((256, 64, 16), (448, 96, 24))
+    g.data.update(eval_jsonl=(), toyworld=False)  # data.jsonl: the world's RL prompts, filled in by the pipeline
+    g.eval.every = 0  # the demo evaluates before and after GRPO itself, on the whole held-out split
+    g.metric_keys = ("difficulty",)
+    g.checkpoint.update(every_steps=_ceil_div(g.get_ref("total_steps"), 3), keep=2)
+    g.log_every = 1
+    c.grpo = g
+
+    # Greedy evaluation of a policy on the held-out split, with the GRPO rollout budgets.
+    r = g.rollout
+    c.eval = ml_collections.ConfigDict(dict(batch_size=16 if mini else 64, limit=0, metric_keys=("family", "difficulty")))
+    c.eval.seed = seed
+    c.eval.rollout = ml_collections.ConfigDict()
+    c.eval.rollout.max_turns = 3
+    for k in ("turn_format", "max_turn_tokens", "max_new_tokens", "max_total_tokens", "decode_chunk",
+              "obs_max_pixels", "prompt_buckets", "obs_buckets", "append_min_frac"):
+        setattr(c.eval.rollout, k, r.get_ref(k))
+    c.eval.sandbox = ml_collections.ConfigDict()
+    for k in ("num_workers", "timeout_s", "memory_mb"):
+        setattr(c.eval.sandbox, k, g.sandbox.get_ref(k))
+
+    c.targets = ml_collections.ConfigDict(dict(hard_accuracy=0.9, overall_accuracy=0.75))
+    c.examples_per_group = 1 if mini else 2
     return c

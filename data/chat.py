@@ -2,7 +2,7 @@
 
 The rendered text is what `Processor.apply_chat_template` gives for the same conversation
 (default system prompt when none is given, observations as user turns whose body comes from
-`data.observation`), with each `<|image_pad|>` already expanded to the image's token count. The
+`codedance_jax.protocol`), with each `<|image_pad|>` already expanded to the image's token count. The
 whole text is tokenized in one call, so token boundaries are exactly those of inference (no drift
 from tokenizing segments separately); each token then takes its role from the character at its
 start offset.
@@ -25,8 +25,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from data import observation
-from data.observation import IM_END, IM_START, TurnFormat
+from codedance_jax import protocol as observation
+from codedance_jax.protocol import IM_END, IM_START, TurnFormat
 from data.trajectory import IMAGE_MARKER, Message
 
 DEFAULT_SYSTEM = "You are a helpful assistant."  # what the Qwen2.5-VL template inserts

@@ -6,7 +6,7 @@
       -> to_iter_dataset(threads)            featurization runs in `num_threads` reader threads
       .filter(fits a bucket)                 the rest is counted (kind "too_long", file:line)
     SftIterator: windows of `group_window` batches' worth of examples, grouped by bucket, cut into
-      batches, each padded to the largest bucket of its examples (`data.batching`)
+      batches, each padded to the largest bucket of its examples (`codedance_jax.train.batching`)
 
 Grouping by bucket inside a window: a batch padded to its longest example wastes the rest of the
 rows (attention cost grows with T^2), so the iterator reads `group_window * batch_size` examples,
@@ -38,23 +38,14 @@ import grain
 import numpy as np
 
 from codedance_jax.model.config import ModelConfig
-from data import batching, sft_tfds
-from data.batching import Bucket, Example
-from data.observation import CODE, TurnFormat
+from codedance_jax.protocol import CODE, TurnFormat
+from codedance_jax.train import batching
+from codedance_jax.train.batching import Bucket, Example, max_bucket_across_hosts
+from data import featurize as features
+from data import sft_tfds
 from data.trajectory import DataReport, Problem, handle_problem
 
 log = logging.getLogger(__name__)
-
-
-def max_bucket_across_hosts(index: int) -> int:
-    """The largest bucket index any host chose for this step (identity on one process)."""
-    import jax
-
-    if jax.process_count() == 1:
-        return index
-    from jax.experimental import multihost_utils
-
-    return int(np.max(multihost_utils.process_allgather(np.asarray(index, np.int32))))
 
 
 class SftIterator(grain.DatasetIterator):
@@ -187,7 +178,7 @@ def make_sft_iterator(
     lock = threading.Lock()
 
     def featurize(record) -> Example:
-        return batching.featurize(sft_tfds.to_trajectory(record), processor, model_cfg, buckets, turn_format)
+        return features.featurize(sft_tfds.to_trajectory(record), processor, model_cfg, buckets, turn_format)
 
     def fits(ex: Example) -> bool:
         if ex.bucket is not None:

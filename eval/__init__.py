@@ -10,10 +10,12 @@
 
 Files: matching.py (VLMEvalKit's matching rules), scoring.py (per-benchmark `rule_score`, our
 `strict_score`; which benchmarks match VLMEvalKit exactly), benchmarks.py (files, paper numbers,
-question text), loaders.py (TSV and released formats), policy.py (the policy interface and the
-rollout-engine adapter), runner.py (resumable loop, predictions, trajectories), summary.py
-(Table-3 columns beside the paper's), report.py (static HTML), judge.py (optional OpenAI-compatible
-judge), evaluate.py (`evaluate(config, workdir)`, what `python -m launch.eval` calls).
+question text), loaders.py (TSV and released formats), rollouts.py (`evaluate(engine, prompts,
+pool)`: the one evaluation rollout, also used by GRPO and the demo), policy.py (the policy
+interface and the rollout-engine adapter), runner.py (resumable loop, predictions, trajectories),
+summary.py (Table-3 columns beside the paper's), report.py (static HTML), trajectory_html.py (the
+trajectory renderer both HTML reports use), judge.py (optional OpenAI-compatible judge),
+evaluate.py (`evaluate(config, workdir)`, what `python -m launch.eval` calls).
 """
 
 from eval.benchmarks import BENCHMARKS, Benchmark, get_benchmark

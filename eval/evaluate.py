@@ -1,8 +1,10 @@
 """`evaluate(config, workdir)`: load the checkpoint and the benchmark, roll out, score, report.
 
 What `python -m launch.eval` calls (configs/eval.py documents every field). The sandbox pool is
-created here, in the calling (main, long-lived) thread, and closed at the end; `sandbox.kind="none"`
-runs without code execution (code turns get an error observation: for machines without root).
+owned by a `sandbox.PoolThread` (the trainers' owner too) and closed at the end; rollouts go
+through `eval.rollouts.evaluate` (via `RolloutPolicy`), the one evaluation rollout of the project;
+`sandbox.kind="none"` runs without code execution (code turns get an error observation: for
+machines without root).
 """
 
 from __future__ import annotations
@@ -40,10 +42,10 @@ def evaluate(config, workdir: str) -> dict:
     with contextlib.ExitStack() as stack:
         pool = None
         if config.max_turns > 0 and config.sandbox.kind == "pool":
-            from sandbox import SandboxPool
+            from sandbox import PoolThread
 
             pool = stack.enter_context(
-                SandboxPool(
+                PoolThread(
                     num_workers=config.sandbox.num_workers,
                     timeout_s=config.sandbox.timeout_s,
                     memory_mb=config.sandbox.memory_mb,

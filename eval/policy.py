@@ -18,11 +18,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from codedance_jax.rollout import Prompt, RolloutConfig, RolloutEngine, SamplingConfig, Trajectory, rl_prompt
-
-TEXT_ONLY_INSTRUCTION = (
-    "Think step-by-step within <think></think>. You must provide your final answer in\n<answer> </answer>."
-)
+from codedance_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig, Trajectory
 
 
 @dataclasses.dataclass
@@ -36,13 +32,6 @@ class Policy(Protocol):
     processor: Any
 
     def __call__(self, prompts: Sequence[EvalPrompt]) -> list[Trajectory]: ...
-
-
-def text_only_prompt(processor, prompt_id: str, question: str, images: Sequence[Any]) -> Prompt:
-    content = [{"type": "image"} for _ in images]
-    content.append({"type": "text", "text": f"Question: {question}\n{TEXT_ONLY_INSTRUCTION}"})
-    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-    return Prompt(prompt_id, text, list(images))
 
 
 class RolloutPolicy:
@@ -74,11 +63,10 @@ class RolloutPolicy:
         self.stats: list[dict] = []
 
     def __call__(self, prompts: Sequence[EvalPrompt]) -> list[Trajectory]:
-        if self.max_turns == 0:
-            ps = [text_only_prompt(self.processor, p.id, p.question, p.images) for p in prompts]
-        else:
-            ps = [rl_prompt(self.processor, p.id, p.question, p.images, self.turn_format) for p in prompts]
-        sandbox = None if self.max_turns == 0 else self.sandbox
-        trajs, stats = self.engine.rollout(ps, group_size=1, sandbox=sandbox, script=self.script)
-        self.stats.append(stats.as_dict())
-        return trajs
+        from eval.rollouts import evaluate
+
+        text_only = self.max_turns == 0
+        res = evaluate(self.engine, prompts, None if text_only else self.sandbox, text_only=text_only,
+                       script=self.script)
+        self.stats += res.stats
+        return res.trajectories

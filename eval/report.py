@@ -11,17 +11,15 @@ first items' images decoded (`data-images-ok` / `data-images-broken`), which the
 
 from __future__ import annotations
 
-import base64
 import html
 import json
 import os
-import re
 
 from eval.runner import PREDICTIONS, TRAJECTORIES, read_jsonl
 from eval.summary import TABLE_COLUMNS, _fmt
+from eval.trajectory_html import trajectory_html
 
 EAGER_ITEMS = 20  # items whose images load eagerly (the rest lazily)
-_CODE_BLOCK = re.compile(r"<code>.*?</code>|<tool_call>.*?</tool_call>", re.DOTALL)
 
 CSS = """
 body{font-family:system-ui,sans-serif;margin:1.5em;color:#222;background:#fafafa}
@@ -60,35 +58,6 @@ JS = """
   });
 })();
 """
-
-
-def _img(workdir: str, rel: str, eager: bool, embed: bool) -> str:
-    src = rel
-    if embed:
-        with open(os.path.join(workdir, rel), "rb") as f:
-            src = "data:image/png;base64," + base64.b64encode(f.read()).decode()
-    return (
-        f'<img src="{html.escape(src)}" alt="{html.escape(os.path.basename(rel))}" '
-        f'loading="{"eager" if eager else "lazy"}">'
-    )
-
-
-def _turn_html(m: int, text: str, turn: dict, images: list[str], workdir, eager, embed) -> str:
-    status = turn.get("status") or ""
-    reasoning = _CODE_BLOCK.sub("", text).strip()
-    parts = [
-        f'<div class="turn" data-turn="{m}"><div class="meta">turn {m + 1} · '
-        f'<span class="{"status-ok" if status in ("ok", "no_code") else "status-bad"}">{html.escape(status)}'
-        f"</span></div>"
-    ]
-    parts.append(f'<pre class="reasoning">{html.escape(reasoning)}</pre>')
-    if turn.get("code"):
-        parts.append(f'<pre class="code">{html.escape(turn["code"])}</pre>')
-    if turn.get("observation"):
-        parts.append(f'<pre class="obs">{html.escape(turn["observation"])}</pre>')
-    parts.extend(_img(workdir, p, eager, embed) for p in images)
-    parts.append("</div>")
-    return "".join(parts)
 
 
 def write_report(workdir: str, summary: dict | None = None, embed: bool = False, title: str | None = None) -> str:
@@ -136,9 +105,6 @@ def write_report(workdir: str, summary: dict | None = None, embed: bool = False,
     for n, p in enumerate(preds):
         t = trajs.get(p.get("trajectory_id"), {})
         eager = n < EAGER_ITEMS
-        images = t.get("images", [])
-        turns = t.get("turns", [])
-        n_prompt = len(images) - sum(int(tt.get("n_images", 0)) for tt in turns)
         verdict = p["rule_verdict"]
         out.append(
             f'<div class="item {verdict}" data-index="{html.escape(str(p["index"]))}" data-verdict="{verdict}" '
@@ -150,15 +116,8 @@ def write_report(workdir: str, summary: dict | None = None, embed: bool = False,
             f"{p['exec_ok']}/{p['num_tool_calls']} executions ok · {html.escape(str(p.get('finish_reason')))}</div>"
         )
         out.append(f'<pre class="question">{html.escape(str(p.get("asked", p.get("question"))))}</pre>')
-        out.extend(_img(workdir, rel, eager, embed) for rel in images[:n_prompt])
-        k = n_prompt
-        texts = t.get("turn_texts", [])
-        for m, turn in enumerate(turns):
-            ni = int(turn.get("n_images", 0))
-            out.append(
-                _turn_html(m, texts[m] if m < len(texts) else "", turn, images[k : k + ni], workdir, eager, embed)
-            )
-            k += ni
+        out.append(trajectory_html(t.get("images", []), t.get("turns", []), t.get("turn_texts", []), workdir,
+                                   eager=eager, embed=embed))
         out.append(
             f'<p><b>answer</b>: <span class="prediction">{html.escape(str(p["prediction"]))}</span> · '
             f'<b>gold</b>: <span class="gold">{html.escape(str(p["answer"]))}</span></p></div>'

@@ -1,7 +1,7 @@
 r"""Table 3 of the paper on the toy world: four reward variants from the same SFT policy.
 
   python -m launch.ablate --workdir=/tmp/codedance_demo           # reuses the demo's world and SFT policy
-  python -m launch.ablate --workdir=DIR --modes=outcome,full --config.grpo.steps=20
+  python -m launch.ablate --workdir=DIR --modes=outcome,full --config.grpo.total_steps=20
 
 Rows: outcome-only GRPO (R_acc + R_format), DeepEyes-style tool bonus, R_BAT without R_turn, full
 R_BAT; each trained with the same seeds and evaluated on the held-out split. Prints the table and

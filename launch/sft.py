@@ -19,7 +19,7 @@ flags.DEFINE_string("workdir", None, "Checkpoints, metrics.jsonl, TensorBoard ev
 def main(argv):
     del argv
     distributed.initialize()
-    from codedance_jax.train.sft_loop import train_and_evaluate
+    from codedance_jax.runs.sft import train_and_evaluate
 
     train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
 

@@ -13,7 +13,7 @@ is discarded, so the namespace rolls back for free. Files roll back from a mirro
 (sandbox.workdir). The supervisor of each session, outside the cell, enforces the time limit and
 kills leftovers. Layout: pool.py (trainer side), zygote.py, supervisor.py (session set-up and cell
 control), rootfs.py (the session's filesystem), seccomp.py (the syscall filter), cell.py (holder
-and cell, untrusted), figures.py (image capture, disabled GUI/console calls), workdir.py,
+and cell, untrusted), owner.py (`PoolThread`: a pool in its own long-lived thread), figures.py (image capture, disabled GUI/console calls), workdir.py,
 isolation.py, wire.py.
 
 Protected against, and by what (several layers per threat where the kernel allows):
@@ -79,7 +79,8 @@ NOT protected against / limits:
   reported once at start-up and skipped.
 """
 
+from sandbox.owner import PoolThread
 from sandbox.pool import SandboxError, SandboxPool, Session
 from sandbox.result import ExecResult
 
-__all__ = ["ExecResult", "SandboxError", "SandboxPool", "Session"]
+__all__ = ["ExecResult", "PoolThread", "SandboxError", "SandboxPool", "Session"]

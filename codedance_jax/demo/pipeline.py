@@ -1,9 +1,9 @@
 """The demo pipeline: toy world -> SFT -> eval (before) -> GRPO with R_BAT -> eval (after) -> report.
 
 Every phase is the real component a user would launch on a pod, with the toy world's sizes:
-`data.toyworld.generate_world` (expert trajectories executed in the sandbox), `train.sft_loop`
+`data.toyworld.generate_world` (expert trajectories executed in the sandbox), `runs.sft`
 (TFDS + grain + the sharded SFT step; it exports WORKDIR/sft/policy), evaluation = greedy
-multi-turn rollouts of the held-out split through `RolloutEngine` + `SandboxPool`, `train.grpo_loop`
+multi-turn rollouts of the held-out split through `RolloutEngine` + `SandboxPool`, `runs.grpo`
 (rollouts, R_BAT, GRPO update; exports WORKDIR/grpo/policy), and `demo.report`.
 
 Workdir layout: world/ (world.json, sft/, rl/, eval/, processor/), sft/ (checkpoints, metrics.jsonl,
@@ -11,6 +11,9 @@ policy/), eval_sft/ and eval_grpo/ (trajectories.jsonl + images/, summary.json),
 metrics.jsonl, policy/), report/ (report.md, report.html, summary.json, plots/). A phase whose
 output exists is skipped, so a killed demo continues where it stopped (SFT and GRPO resume from
 their checkpoints).
+
+Sizes are data: `configs/demo.py` builds the complete SFT, GRPO and evaluation run configs; this
+module fills in paths only (the world's files, the policy a phase starts from).
 """
 
 from __future__ import annotations
@@ -20,8 +23,6 @@ import os
 import time
 
 import ml_collections
-
-FAMILY_KEYS = ("family", "difficulty")
 
 
 def _log(msg: str):
@@ -39,79 +40,48 @@ def make_world(c, workdir: str) -> dict:
     if os.path.exists(path):
         with open(path) as f:
             return json.load(f)
-    w = c.world
-    return generate_world(world_dir(workdir), n_sft=w.n_sft, n_rl=w.n_rl, n_eval=w.n_eval, seed=c.seed,
-                          hard_frac=w.hard_frac, workers=w.workers, max_pixels=w.max_pixels,
-                          easy_code_rate=w.easy_code_rate, error_rate=w.error_rate)
+    return generate_world(world_dir(workdir), **c.world)
 
 
 def sft_config(c, workdir: str) -> ml_collections.ConfigDict:
-    from configs import sft as sft_configs
-
-    s = sft_configs.get_config("tiny")
-    s.model = "toy"
+    """configs/demo.py's SFT run with the world's paths filled in."""
+    s = ml_collections.ConfigDict(c.sft.to_dict())
     s.processor_dir = os.path.join(world_dir(workdir), "processor")
-    s.seed = c.seed
-    s.batch_size, s.grad_accum, s.total_steps = c.sft.batch_size, 1, c.sft.steps
-    s.optim.lr, s.optim.warmup_ratio = c.sft.lr, c.sft.warmup_ratio
-    s.mesh.update(data=1, fsdp=-1, tensor=1)
     s.data.jsonl = (os.path.join(world_dir(workdir), "sft", "sft.jsonl"),)
-    s.data.synthetic = 0
-    s.data.max_pixels = c.world.max_pixels
-    s.data.buckets = tuple(tuple(b) for b in c.sft.buckets)
-    s.checkpoint.update(every_steps=max(1, c.sft.steps // 4), keep=2)
-    s.log_every = max(1, c.sft.steps // 20)
-    s.tensorboard = False
-    s.export_policy = True
     return s
 
 
 def grpo_config(c, workdir: str, policy: str, *, mode: str | None = None) -> ml_collections.ConfigDict:
-    from configs import grpo as grpo_configs
-
-    g = grpo_configs.get_config("tiny")
-    p = c.grpo
+    """configs/demo.py's GRPO run from `policy`, on the world's RL prompts (`mode`: an ablation's reward)."""
+    g = ml_collections.ConfigDict(c.grpo.to_dict())
     g.init_from = policy
-    g.seed = c.seed
-    g.prompts_per_step, g.group_size, g.total_steps, g.grad_accum = p.prompts_per_step, p.group_size, p.steps, p.grad_accum
-    g.optim.update(lr=p.lr, warmup_ratio=0.0, schedule="constant")
-    g.rbat.update(mode=mode or p.mode, preset=p.preset)
-    g.rollout.update(max_turns=p.max_turns, max_turn_tokens=p.max_turn_tokens, max_new_tokens=p.max_new_tokens,
-                     max_total_tokens=p.max_total_tokens, temperature=p.temperature,
-                     obs_max_pixels=112 * 112, prompt_buckets=(128, 256), obs_buckets=(64, 192))
-    g.sandbox.num_workers = p.sandbox_workers
-    g.buckets = tuple(tuple(b) for b in p.buckets)
-    g.data.update(jsonl=(os.path.join(world_dir(workdir), "rl", "prompts.jsonl"),), eval_jsonl=(), toyworld=False)
-    g.eval.every = 0  # the demo evaluates before and after itself, on the whole held-out split
-    g.metric_keys = FAMILY_KEYS[1:]
-    g.checkpoint.update(every_steps=max(1, p.steps // 3), keep=2)
-    g.log_every = 1
+    g.data.jsonl = (os.path.join(world_dir(workdir), "rl", "prompts.jsonl"),)
+    if mode is not None:
+        g.rbat.mode = mode
     return g
 
 
-def evaluate_policy(c, policy: str, out_dir: str, pool) -> dict:
+def evaluate_policy(c, workdir: str, policy: str, out_dir: str, pool) -> dict:
     """Greedy rollouts of the held-out split; writes trajectories.jsonl (+ `text`, `meta`) and summary.json."""
     import codedance_jax
     from codedance_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig, save_jsonl
-    from codedance_jax.train.grpo_loop import evaluate
     from data.rl_prompts import read_prompts_jsonl
+    from eval.rollouts import evaluate
 
     summary_path = os.path.join(out_dir, "summary.json")
     if os.path.exists(summary_path):
         with open(summary_path) as f:
             return json.load(f)
-    prompts = read_prompts_jsonl(os.path.join(world_dir(c.workdir_), "eval", "prompts.jsonl"))
-    if c.eval.limit:
-        prompts = prompts[: c.eval.limit]
+    e = c.eval
+    prompts = read_prompts_jsonl(os.path.join(world_dir(workdir), "eval", "prompts.jsonl"))
+    if e.limit:
+        prompts = prompts[: e.limit]
     model, processor = codedance_jax.from_pretrained(policy)
-    p = c.grpo
-    rcfg = RolloutConfig.eval(max_turns=c.eval.max_turns, max_turn_tokens=p.max_turn_tokens,
-                              max_new_tokens=p.max_new_tokens, max_total_tokens=p.max_total_tokens,
-                              decode_chunk=16, obs_max_pixels=112 * 112, prompt_buckets=(128, 256),
-                              obs_buckets=(64, 192), append_min_frac=0.5, policy=policy)
-    engine = RolloutEngine(model, processor, rcfg, SamplingConfig(greedy=True, seed=c.seed))
+    rcfg = RolloutConfig.eval(**e.rollout, policy=policy)
+    engine = RolloutEngine(model, processor, rcfg, SamplingConfig(greedy=True, seed=e.seed))
     t0 = time.perf_counter()
-    summary, trajs = evaluate(engine, prompts, pool, batch=c.eval.batch, keys=FAMILY_KEYS)
+    res = evaluate(engine, prompts, pool, batch=e.batch_size, keys=tuple(e.metric_keys))
+    summary, trajs = res.summary, res.trajectories
     summary["time_s"] = time.perf_counter() - t0
     os.makedirs(out_dir, exist_ok=True)
     path = save_jsonl(trajs, out_dir)
@@ -131,6 +101,13 @@ def evaluate_policy(c, policy: str, out_dir: str, pool) -> dict:
     return summary
 
 
+def _pool(c):
+    """The evaluation's sandbox pool, in its own long-lived thread (`with _pool(c) as pool:`)."""
+    from sandbox import PoolThread
+
+    return PoolThread(**c.eval.sandbox)
+
+
 def _read_jsonl(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []
@@ -141,12 +118,12 @@ def _read_jsonl(path: str) -> list[dict]:
 def run(c, workdir: str) -> dict:
     """Runs every phase (skipping finished ones) and returns the report's summary."""
     from codedance_jax.demo.report import write_report
-    from codedance_jax.train import grpo_loop, sft_loop
+    from codedance_jax.runs import grpo as grpo_run
+    from codedance_jax.runs import sft as sft_run
 
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
     c = ml_collections.ConfigDict(c.to_dict())
-    c.workdir_ = workdir
     timings = {}
     t_all = time.perf_counter()
 
@@ -159,40 +136,34 @@ def run(c, workdir: str) -> dict:
     sft_dir = os.path.join(workdir, "sft")
     sft_policy = os.path.join(sft_dir, "policy")
     if not os.path.exists(os.path.join(sft_policy, "codedance.json")):
-        _log(f"2/5 SFT: {c.sft.steps} steps, batch {c.sft.batch_size}, from random init")
-        sft_loop.train_and_evaluate(sft_config(c, workdir), sft_dir)
+        _log(f"2/5 SFT: {c.sft.total_steps} steps, batch {c.sft.batch_size}, from random init")
+        sft_run.train_and_evaluate(sft_config(c, workdir), sft_dir)
     timings["sft"] = time.perf_counter() - t0
 
-    pool = grpo_loop.PoolThread(num_workers=c.grpo.sandbox_workers, timeout_s=10.0, memory_mb=1024)
-    try:
+    with _pool(c) as pool:
         t0 = time.perf_counter()
         _log("3/5 evaluating the SFT policy on the held-out split")
-        ev_sft = evaluate_policy(c, sft_policy, os.path.join(workdir, "eval_sft"), pool.pool)
+        ev_sft = evaluate_policy(c, workdir, sft_policy, os.path.join(workdir, "eval_sft"), pool)
         _log(f"    SFT: accuracy {ev_sft['accuracy']:.3f}, tool-call rate {ev_sft['tool_rate']:.3f}")
         timings["eval_sft"] = time.perf_counter() - t0
-    finally:
-        pool.close()
 
     t0 = time.perf_counter()
     grpo_dir = os.path.join(workdir, "grpo")
     grpo_policy = os.path.join(grpo_dir, "policy")
     if not os.path.exists(os.path.join(grpo_policy, "codedance.json")):
-        _log(f"4/5 GRPO with R_BAT ({c.grpo.mode}): {c.grpo.steps} steps x {c.grpo.prompts_per_step} prompts "
+        _log(f"4/5 GRPO with R_BAT ({c.grpo.rbat.mode}): {c.grpo.total_steps} steps x {c.grpo.prompts_per_step} prompts "
              f"x {c.grpo.group_size} rollouts")
-        grpo_loop.train_and_evaluate(grpo_config(c, workdir, sft_policy), grpo_dir)
+        grpo_run.train_and_evaluate(grpo_config(c, workdir, sft_policy), grpo_dir)
     timings["grpo"] = time.perf_counter() - t0
 
-    pool = grpo_loop.PoolThread(num_workers=c.grpo.sandbox_workers, timeout_s=10.0, memory_mb=1024)
-    try:
+    with _pool(c) as pool:
         t0 = time.perf_counter()
         _log("5/5 evaluating the GRPO policy and writing the report")
-        ev_grpo = evaluate_policy(c, grpo_policy, os.path.join(workdir, "eval_grpo"), pool.pool)
+        ev_grpo = evaluate_policy(c, workdir, grpo_policy, os.path.join(workdir, "eval_grpo"), pool)
         timings["eval_grpo"] = time.perf_counter() - t0
-    finally:
-        pool.close()
 
     total = time.perf_counter() - t_all  # the report adds the phases up itself
-    _log(f"all phases: {total / 60:.1f} min")
+    _log(f"all phases: {total:.0f} s")
     paths = write_report(
         os.path.join(workdir, "report"),
         evals={"sft": ev_sft, "grpo": ev_grpo},
@@ -220,14 +191,14 @@ ABLATION_ROWS = (  # paper Table 3 rows, in its order
 
 def prepare_sft(c, workdir: str) -> tuple[dict, str]:
     """World and SFT policy (reused when they exist), as the demo makes them."""
-    from codedance_jax.train import sft_loop
+    from codedance_jax.runs import sft as sft_run
 
     world = make_world(c, workdir)
     sft_dir = os.path.join(workdir, "sft")
     policy = os.path.join(sft_dir, "policy")
     if not os.path.exists(os.path.join(policy, "codedance.json")):
-        _log(f"SFT: {c.sft.steps} steps, batch {c.sft.batch_size}, from random init")
-        sft_loop.train_and_evaluate(sft_config(c, workdir), sft_dir)
+        _log(f"SFT: {c.sft.total_steps} steps, batch {c.sft.batch_size}, from random init")
+        sft_run.train_and_evaluate(sft_config(c, workdir), sft_dir)
     return world, policy
 
 
@@ -235,29 +206,22 @@ def ablate(c, workdir: str, modes=tuple(m for m, _ in ABLATION_ROWS)) -> dict:
     """Table 3 on the toy world: the reward variants trained from the same SFT policy with the same
     seeds (same prompts per step, same sampling keys), each evaluated on the held-out split."""
     from codedance_jax.demo.report import fmt_metric
-    from codedance_jax.train import grpo_loop
+    from codedance_jax.runs import grpo as grpo_run
 
     workdir = os.path.abspath(workdir)
     c = ml_collections.ConfigDict(c.to_dict())
-    c.workdir_ = workdir
     _, sft_policy = prepare_sft(c, workdir)
     results = {}
-    pool = grpo_loop.PoolThread(num_workers=c.grpo.sandbox_workers, timeout_s=10.0, memory_mb=1024)
-    try:
-        results["sft"] = evaluate_policy(c, sft_policy, os.path.join(workdir, "eval_sft"), pool.pool)
-    finally:
-        pool.close()
+    with _pool(c) as pool:
+        results["sft"] = evaluate_policy(c, workdir, sft_policy, os.path.join(workdir, "eval_sft"), pool)
     for mode in modes:
         run_dir = os.path.join(workdir, "ablate", mode)
         policy = os.path.join(run_dir, "policy")
         if not os.path.exists(os.path.join(policy, "codedance.json")):
-            _log(f"GRPO, reward {mode}: {c.grpo.steps} steps")
-            grpo_loop.train_and_evaluate(grpo_config(c, workdir, sft_policy, mode=mode), run_dir)
-        pool = grpo_loop.PoolThread(num_workers=c.grpo.sandbox_workers, timeout_s=10.0, memory_mb=1024)
-        try:
-            results[mode] = evaluate_policy(c, policy, os.path.join(workdir, "ablate", f"eval_{mode}"), pool.pool)
-        finally:
-            pool.close()
+            _log(f"GRPO, reward {mode}: {c.grpo.total_steps} steps")
+            grpo_run.train_and_evaluate(grpo_config(c, workdir, sft_policy, mode=mode), run_dir)
+        with _pool(c) as pool:
+            results[mode] = evaluate_policy(c, workdir, policy, os.path.join(workdir, "ablate", f"eval_{mode}"), pool)
     names = {"sft": "SFT cold start", **dict(ABLATION_ROWS)}
     cols = ("accuracy", "avg_turns", "exec_success", "difficulty=easy/tool_rate", "difficulty=hard/tool_rate")
     lines = ["| reward | accuracy | avg turns | exec success | tool rate easy | tool rate hard |",
@@ -267,7 +231,7 @@ def ablate(c, workdir: str, modes=tuple(m for m, _ in ABLATION_ROWS)) -> dict:
         lines.append(f"| {names.get(key, key)} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     with open(os.path.join(workdir, "ablation.md"), "w") as f:
-        f.write(f"# Table 3 on the toy world ({c.grpo.steps} GRPO steps per row, seed {c.seed})\n\n{table}\n")
+        f.write(f"# Table 3 on the toy world ({c.grpo.total_steps} GRPO steps per row, seed {c.seed})\n\n{table}\n")
     with open(os.path.join(workdir, "ablation.json"), "w") as f:
         json.dump(results, f, indent=2)
     print(table, flush=True)

@@ -42,7 +42,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from eval.report import CSS as EVAL_CSS
-from eval.report import _img, _turn_html
+from eval.trajectory_html import trajectory_html
 
 FAMILY_ORDER = ("count", "bars", "find")
 DIFFICULTY_ORDER = ("easy", "hard")
@@ -399,7 +399,6 @@ def _example_html(rec: Mapping, traj_dir: str, out_dir: str, copy_to: str | None
     images = [str(p) for p in rec.get("images") or [] if isinstance(p, str)]
     srcs = [_image_src(p, traj_dir, out_dir, copy_to) for p in images]
     turns = [t if isinstance(t, Mapping) else {} for t in rec.get("turns") or []]
-    n_prompt = max(0, len(srcs) - sum(int(t.get("n_images") or 0) for t in turns))
     c = rec.get("correct")
     verdict = "correct" if c is True else "wrong" if c is False else "unscored"
     rewards = rec.get("rewards") if isinstance(rec.get("rewards"), Mapping) else {}
@@ -416,20 +415,13 @@ def _example_html(rec: Mapping, traj_dir: str, out_dir: str, copy_to: str | None
            f"{html.escape(' · '.join(info))}</div>"]
     if m.get("question") is not None:
         out.append(f'<pre class="question">{html.escape(str(m["question"]))}</pre>')
-    out += [_img(out_dir, s, True, False) for s in srcs[:n_prompt]]
     text = rec.get("text", rec.get("turn_texts"))
-    per_turn = isinstance(text, list)
-    if isinstance(text, str):
-        out.append(f'<pre class="response">{html.escape(text)}</pre>')
-    k = n_prompt
-    for i, t in enumerate(turns):
-        ni = int(t.get("n_images") or 0)
-        t_text = str(text[i]) if per_turn and i < len(text) else ""
-        turn = {**t, "code": None} if isinstance(text, str) else t  # the full response already shows the code
-        turn = {kk: (str(v) if kk in ("status", "observation", "code") and v is not None else v)
-                for kk, v in turn.items()}
-        out.append(_turn_html(i, t_text, turn, srcs[k : k + ni], out_dir, True, False))
-        k += ni
+    if isinstance(text, str):  # the full response already shows the code
+        turns = [{**t, "code": None} for t in turns]
+    turns = [{kk: (str(v) if kk in ("status", "observation", "code") and v is not None else v) for kk, v in t.items()}
+             for t in turns]
+    out.append(trajectory_html(srcs, turns, text if isinstance(text, list) else None, out_dir, eager=True,
+                               response=text if isinstance(text, str) else None))
     gold = m.get("gold", rec.get("gold"))
     out.append(
         f'<p><b>answer</b>: <span class="prediction">{html.escape(str(rec.get("answer")))}</span> · '

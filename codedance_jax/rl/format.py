@@ -23,23 +23,11 @@ import json
 import re
 from collections.abc import Sequence
 
+from codedance_jax.protocol import CODE, IM_END, TOOL_CALL, TurnFormat, get_turn_format
 
-@dataclasses.dataclass(frozen=True)
-class TurnFormat:
-    """Tags of one turn format."""
-
-    name: str
-    call_open: str
-    call_close: str
-    obs_open: str
-    obs_close: str
-
-
-CODE_FORMAT = TurnFormat("code", "<code>", "</code>", "<interpreter>", "</interpreter>")
-TOOL_CALL_FORMAT = TurnFormat("tool_call", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
-TURN_FORMATS = {f.name: f for f in (CODE_FORMAT, TOOL_CALL_FORMAT)}
-
-_END_MARKERS = ("<|im_end|>", "<|endoftext|>")
+# The tags come from the one protocol module; the old names stay for callers of this module.
+CODE_FORMAT, TOOL_CALL_FORMAT = CODE, TOOL_CALL
+_END_MARKERS = (IM_END, "<|endoftext|>")
 _FENCE_RE = re.compile(r"```[ \t]*(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
 
@@ -80,10 +68,7 @@ def _call_body_problem(body: str, fmt: TurnFormat) -> str | None:
 
 def check_format(response: str | Sequence[str], fmt: TurnFormat | str = CODE_FORMAT) -> FormatResult:
     """Check a response (a decoded string with observations, or the list of assistant turns)."""
-    if isinstance(fmt, str):
-        if fmt not in TURN_FORMATS:
-            raise ValueError(f"unknown turn format {fmt!r}; expected one of {sorted(TURN_FORMATS)}")
-        fmt = TURN_FORMATS[fmt]
+    fmt = get_turn_format(fmt)
     turns = split_turns(response, fmt) if isinstance(response, str) else list(response)
     problems: list[str] = []
     full = "".join(turns)

@@ -6,13 +6,13 @@
     save_jsonl(trajectories, workdir)
 
 Files: sampler.py (jit decode loop, sampling, stop table), engine.py (the turn loop), turns.py (code
-extraction, observations), record.py (trajectory records, JSON lines), prompts.py (RL template),
+extraction, observations), record.py (trajectory records, JSON lines), prompts.py (RL prompts; their text is `codedance_jax.protocol`),
 buckets.py (shape buckets, compile counter).
 """
 
 from codedance_jax.rollout.buckets import CompileCounter
 from codedance_jax.rollout.engine import RolloutConfig, RolloutEngine, RolloutStats
-from codedance_jax.rollout.prompts import Prompt, rl_prompt, session_files
+from codedance_jax.rollout.prompts import Prompt, rl_prompt, session_files, text_only_prompt
 from codedance_jax.rollout.record import Trajectory, load_jsonl, save_jsonl
 from codedance_jax.rollout.sampler import SamplingConfig, StopTable, build_stop_table, sample
 from codedance_jax.rollout.turns import build_observation, extract_answer, extract_code
@@ -35,4 +35,5 @@ __all__ = [
     "sample",
     "save_jsonl",
     "session_files",
+    "text_only_prompt",
 ]

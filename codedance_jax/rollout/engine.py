@@ -52,12 +52,12 @@ from flax import nnx
 
 from codedance_jax.model import rope
 from codedance_jax.model.generate import compact_cache, drop_slots, encode_vision, extend_arrays, vision_inputs
+from codedance_jax.protocol import get_turn_format
 from codedance_jax.rollout import turns as turn_lib
 from codedance_jax.rollout.buckets import CompileCounter, round_up, token_bucket, vision_bucket
 from codedance_jax.rollout.prompts import Prompt, session_files
 from codedance_jax.rollout.record import Trajectory
 from codedance_jax.rollout.sampler import Sampler, SamplingConfig, build_stop_table
-from data.observation import get_turn_format
 
 Script = Callable[[int, int], "str | None"]  # (row, turn) -> text the policy is forced to write, or None
 

@@ -1,4 +1,7 @@
-"""Rollout prompts: the RL template of the paper (Table 10, SPEC section 2) in Qwen chat format."""
+"""Rollout prompts: the RL template of the paper (Table 10, SPEC section 2) in Qwen chat format.
+
+The template's words live in `codedance_jax.protocol`; this module puts them in a chat message.
+"""
 
 from __future__ import annotations
 
@@ -6,24 +9,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from data.observation import TurnFormat, get_turn_format
-
-RL_INSTRUCTION = {
-    "code": (
-        "Think step-by-step within <think></think>. You now have the ability to selectively write executable "
-        "Python code to enhance your reasoning process. The Python code should be complete scripts, including "
-        "necessary imports.\nEach code snippet is wrapped with\n<code>\n```python\ncode snippet\n```\n</code>\n"
-        "You must provide your final answer in\n<answer> </answer>."
-    ),
-    # The release's format: the code travels as the argument of a Qwen tool call.
-    "tool_call": (
-        "Think step-by-step within <think></think>. You now have the ability to selectively write executable "
-        "Python code to enhance your reasoning process. The Python code should be complete scripts, including "
-        "necessary imports.\nEach code snippet is sent as a tool call\n<tool_call>\n"
-        '{"name": "code_interpreter", "arguments": {"code": "code snippet"}}\n</tool_call>\n'
-        "You must provide your final answer in\n<answer> </answer>."
-    ),
-}
+from codedance_jax.protocol import TurnFormat, rl_question, text_only_question
 
 
 @dataclasses.dataclass
@@ -41,11 +27,19 @@ def rl_prompt(
     processor, prompt_id: str, question: str, images: Sequence[Any], fmt: str | TurnFormat = "code"
 ) -> Prompt:
     """The paper's RL prompt: the image(s), then `Question: {question}` and the instructions."""
-    f = get_turn_format(fmt)
+    return _user_prompt(processor, prompt_id, rl_question(question, fmt), images)
+
+
+def text_only_prompt(processor, prompt_id: str, question: str, images: Sequence[Any]) -> Prompt:
+    """The prompt when no code can run: the question and the answer-only instruction."""
+    return _user_prompt(processor, prompt_id, text_only_question(question), images)
+
+
+def _user_prompt(processor, prompt_id: str, text: str, images: Sequence[Any]) -> Prompt:
     content = [{"type": "image"} for _ in images]
-    content.append({"type": "text", "text": f"Question: {question}\n{RL_INSTRUCTION[f.name]}"})
-    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-    return Prompt(prompt_id, text, list(images))
+    content.append({"type": "text", "text": text})
+    chat = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    return Prompt(prompt_id, chat, list(images))
 
 
 def session_files(images: Sequence[Any]) -> dict[str, bytes]:

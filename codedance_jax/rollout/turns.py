@@ -1,6 +1,6 @@
 """One turn on the host: what ended it, the code it holds, and the observation tokens that answer it.
 
-The observation string itself comes from `data.observation` (the one place that knows the format);
+The observation string itself comes from `codedance_jax.protocol` (the one place that knows the format);
 this module fills it from an `ExecResult`, resizes and caps the captured images, and tokenizes the
 observation on its own. Observations start with the `<|im_end|>` special token, so their tokens
 never merge with the sampled tokens before them: appending their ids gives exactly the sequence a
@@ -21,8 +21,8 @@ import re
 import numpy as np
 from PIL import Image
 
-from data import observation as obs_format
-from data.observation import TurnFormat
+from codedance_jax import protocol as obs_format
+from codedance_jax.protocol import TurnFormat
 
 ANSWER_CLOSE = "</answer>"
 IM_END = "<|im_end|>"

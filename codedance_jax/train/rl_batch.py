@@ -1,6 +1,6 @@
 """Finished trajectories -> the GRPO batch (host numpy), padded to a (T, Nb, Wb) bucket.
 
-The batch is the SFT batch contract (`data/batching.py`: input_ids, attention_mask, targets,
+The batch is the SFT batch contract (`train/batching.py`: input_ids, attention_mask, targets,
 loss_mask aligned with targets, positions [3, B, T], per-row vision plan) plus the GRPO fields of
 `train/grpo.py`, all aligned with `targets` (column t is about token t + 1):
 
@@ -23,7 +23,7 @@ import numpy as np
 
 from codedance_jax.model.config import ModelConfig
 from codedance_jax.model.rope import mrope_positions
-from data.batching import Bucket, Example, choose_bucket, collate, num_windows
+from codedance_jax.train.batching import Bucket, Example, choose_bucket, collate, num_windows
 
 
 def trajectory_example(traj, processor, cfg: ModelConfig, buckets: Sequence[Bucket]) -> Example:

@@ -1,7 +1,7 @@
 """The scripted expert: SFT trajectories whose code really ran in the sandbox.
 
 Hard items get one fixed code template per family, executed in a real `SandboxPool` session holding
-`image.png`; the observation is `data.observation.observation_text` of the result with its images
+`image.png`; the observation is `codedance_jax.protocol.observation_text` of the result with its images
 (at most 4), and the final answer is read back from that observation (the printed number or colour;
 for `find`, the colour of the enlarged crop the cell saved). With probability `error_rate` the
 expert first writes a buggy variant (a misspelt name or a missing import, `BUGS`) that really
@@ -39,8 +39,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from codedance_jax.rollout.prompts import RL_INSTRUCTION
-from data.observation import observation_text
+from codedance_jax.protocol import observation_text, rl_question
 from data.toyworld.tasks import PALETTE, Item, color_name
 
 MAX_OBS_IMAGES = 4
@@ -52,7 +51,7 @@ class ExpertError(AssertionError):
 
 def user_content(question: str) -> str:
     """The SFT user message: rendered, it is exactly `rl_prompt(processor, id, question, [image])`'s user turn."""
-    return "<image>" + f"Question: {question}\n" + RL_INSTRUCTION["code"]
+    return "<image>" + rl_question(question, "code")
 
 
 def png_bytes(image: Image.Image) -> bytes:

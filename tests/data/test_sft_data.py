@@ -11,8 +11,9 @@ from PIL import Image
 
 from codedance_jax.model.rope import mrope_positions
 from codedance_jax.model.vision import make_plan
+from codedance_jax.train.batching import check_buckets
 from data import chat, sft_tfds
-from data.batching import check_buckets, featurize
+from data.featurize import featurize
 from data.sft_pipeline import make_sft_iterator
 from data.trajectory import MalformedRecordError, read_jsonl
 

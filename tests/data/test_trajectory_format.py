@@ -3,7 +3,8 @@
 import pytest
 from data_helpers import multi_turn_record, write_jsonl, write_png
 
-from data import chat, observation
+from codedance_jax import protocol as observation
+from data import chat
 from data.trajectory import DataReport, MalformedRecordError, read_jsonl
 
 

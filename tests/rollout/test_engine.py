@@ -11,8 +11,8 @@ import pytest
 from fakes import FakePool
 from rollout_helpers import full_logprobs, random_image, small_config
 
+from codedance_jax.protocol import render_observation
 from codedance_jax.rollout import RolloutEngine, SamplingConfig, load_jsonl, rl_prompt, save_jsonl
-from data.observation import render_observation
 
 ATOL = 2e-4  # |recorded - recomputed| log-prob; observed ~1e-6 in float32
 

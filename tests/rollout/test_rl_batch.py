@@ -11,7 +11,7 @@ from codedance_jax.rl import RBATConfig, rbat_advantages, scoring
 from codedance_jax.rollout import RolloutEngine, SamplingConfig, rl_prompt
 from codedance_jax.train import grpo, rl_batch, sft
 from codedance_jax.train import state as st
-from data.batching import check_buckets
+from codedance_jax.train.batching import check_buckets
 
 SHOW = '<think>look</think><code>\n```python\nshow(28, 56)\nprint("ok")\n```\n</code>'
 RAISE = '<think>try</think><code>\n```python\nraise ValueError\n```\n</code>'

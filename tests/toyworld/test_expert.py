@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from data.observation import observation_text
+from codedance_jax.protocol import observation_text
 from data.toyworld import FAMILIES, ExpertError, expert_trajectory, make_item
 from data.toyworld.expert import BUGS, EASY_COUNT_CODE, THINK, _crop_color, buggy_code, expert_code, png_bytes
 from data.toyworld.world import write_sft

@@ -1,4 +1,8 @@
-"""The observation format and the turn formats: the one place that knows how tool output is rendered.
+"""The turn/observation protocol: turn formats, observation rendering and the RL prompt's text.
+
+The one place that knows how a tool call is written, how tool output is rendered back, and what the
+RL instruction says. SFT data (`data/chat.py`), rollouts (`rollout/`), scoring (`rl/format.py`) and
+the toy world's expert all read it, so the three can never disagree on a tag or a newline.
 
 SPEC section 2 [decided]: after a code turn the assistant message is closed and the observation is
 a user turn in Qwen chat format,
@@ -15,6 +19,10 @@ Two turn formats (SPEC section 4, presets): `code` (paper, default) — the assi
 `<code>```python ...```</code>` and observations are wrapped in `<interpreter>`; `tool_call`
 (the authors' release) — the assistant writes Qwen `<tool_call>` JSON and observations are wrapped
 in `<tool_response>`, as Qwen's chat template renders tool messages. Only the wrapper tags differ.
+
+The RL prompt (paper Table 10, SPEC section 2): the user message is the image(s), then
+`rl_question(question, fmt)` = `Question: {question}\n` + the format's `RL_INSTRUCTION`.
+`TEXT_ONLY_INSTRUCTION` replaces it when evaluation runs without code (max_turns 0).
 """
 
 from __future__ import annotations
@@ -48,12 +56,43 @@ TOOL_CALL = TurnFormat("tool_call", "<tool_call>", "</tool_call>", "<tool_respon
 TURN_FORMATS = {f.name: f for f in (CODE, TOOL_CALL)}
 
 
+RL_INSTRUCTION = {
+    "code": (
+        "Think step-by-step within <think></think>. You now have the ability to selectively write executable "
+        "Python code to enhance your reasoning process. The Python code should be complete scripts, including "
+        "necessary imports.\nEach code snippet is wrapped with\n<code>\n```python\ncode snippet\n```\n</code>\n"
+        "You must provide your final answer in\n<answer> </answer>."
+    ),
+    # The release's format: the code travels as the argument of a Qwen tool call.
+    "tool_call": (
+        "Think step-by-step within <think></think>. You now have the ability to selectively write executable "
+        "Python code to enhance your reasoning process. The Python code should be complete scripts, including "
+        "necessary imports.\nEach code snippet is sent as a tool call\n<tool_call>\n"
+        '{"name": "code_interpreter", "arguments": {"code": "code snippet"}}\n</tool_call>\n'
+        "You must provide your final answer in\n<answer> </answer>."
+    ),
+}
+TEXT_ONLY_INSTRUCTION = (
+    "Think step-by-step within <think></think>. You must provide your final answer in\n<answer> </answer>."
+)
+
+
 def get_turn_format(fmt: str | TurnFormat) -> TurnFormat:
     if isinstance(fmt, TurnFormat):
         return fmt
     if fmt not in TURN_FORMATS:
         raise ValueError(f"unknown turn format {fmt!r}; expected one of {sorted(TURN_FORMATS)}")
     return TURN_FORMATS[fmt]
+
+
+def rl_question(question: str, fmt: str | TurnFormat = CODE) -> str:
+    """The text of the RL prompt's user turn after its images: the question, then the instruction."""
+    return f"Question: {question}\n{RL_INSTRUCTION[get_turn_format(fmt).name]}"
+
+
+def text_only_question(question: str) -> str:
+    """The user text when no code can run: the question and the answer-only instruction."""
+    return f"Question: {question}\n{TEXT_ONLY_INSTRUCTION}"
 
 
 def image_block(num_tokens: int = 1) -> str:

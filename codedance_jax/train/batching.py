@@ -1,4 +1,7 @@
-"""Examples and batches for SFT: tokenize a trajectory, pick its length bucket, pad a batch to a bucket.
+"""Examples and batches for the train steps: shape buckets, the unpadded `Example`, padding to a bucket.
+
+SFT (`data/featurize.py` tokenizes a trajectory into an `Example`) and GRPO (`train/rl_batch.py`
+builds one from a rollout) both pad with `collate`; this is the batch contract of `train/sft.py`.
 
 A bucket is a triple (T tokens, Nb image tokens, Wb vision windows). An example fits a bucket when
 its tokens, image tokens (merged units) and windows all fit; it goes to the first (smallest) bucket
@@ -20,19 +23,13 @@ Batch contract (all numpy, leading batch dim B; per-example vision so everything
 from __future__ import annotations
 
 import dataclasses
-import io
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
-from PIL import Image
 
-from codedance_jax.model.config import ModelConfig, VisionConfig
-from codedance_jax.model.rope import mrope_positions
+from codedance_jax.model.config import VisionConfig
 from codedance_jax.model.vision import make_plan
-from data import chat
-from data.observation import CODE, TurnFormat
-from data.trajectory import Trajectory
 
 
 class Bucket(NamedTuple):
@@ -74,6 +71,17 @@ def num_windows(grid_thw: np.ndarray, cfg: VisionConfig) -> int:
     return int(sum(int(t) * -(-(int(h) // m) // wm) * -(-(int(w) // m) // wm) for t, h, w in np.asarray(grid_thw)))
 
 
+def max_bucket_across_hosts(index: int) -> int:
+    """The largest bucket index any host chose for this step (identity on one process)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return index
+    from jax.experimental import multihost_utils
+
+    return int(np.max(multihost_utils.process_allgather(np.asarray(index, np.int32))))
+
+
 @dataclasses.dataclass(frozen=True)
 class Example:
     """One tokenized trajectory, unpadded. n tokens, I images, P patches."""
@@ -86,33 +94,6 @@ class Example:
     needs: Bucket
     bucket: int | None  # None: fits no bucket
     source: str
-
-
-def featurize(
-    traj: Trajectory,
-    processor,
-    model_cfg: ModelConfig,
-    buckets: Sequence[Bucket],
-    fmt: str | TurnFormat = CODE,
-) -> Example:
-    """Decode images (PIL), render, tokenize once, and compute M-RoPE positions and the bucket."""
-    images = [Image.open(io.BytesIO(b)) for b in traj.images]
-    pixel_values, grid = processor.encode_images(images)  # [P, patch_dim], [I, 3]
-    image_tokens = [int(n) for n in processor.num_image_tokens(grid)] if len(grid) else []
-    rendered = chat.render(traj.messages, image_tokens, fmt)
-    ids, trained = chat.tokenize(processor.tokenizer, rendered)
-    got = int((ids == model_cfg.image_token_id).sum())
-    if got != sum(image_tokens):  # cannot happen for validated records; guards tokenizer surprises
-        raise ValueError(f"{traj.source}: {got} image tokens after tokenization, {sum(image_tokens)} expected")
-    pos, _ = mrope_positions(
-        ids[None],
-        None,
-        grid if len(grid) else None,
-        image_token_id=model_cfg.image_token_id,
-        spatial_merge_size=model_cfg.vision.spatial_merge_size,
-    )
-    needs = Bucket(len(ids), sum(image_tokens), num_windows(grid, model_cfg.vision))
-    return Example(ids, trained, pos[:, 0], pixel_values, grid, needs, choose_bucket(needs, buckets), traj.source)
 
 
 def collate(

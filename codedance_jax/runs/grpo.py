@@ -1,0 +1,217 @@
+"""`train_and_evaluate` for GRPO: rollouts through the sandbox, R_BAT, sharded updates, eval.
+
+One step, each stage a function of `runs/grpo_stages.py` with a typed result:
+  1. prompts: `PromptSchedule` picks this step's prompts (stateless: resume draws the same ones);
+  2. rollout: `RolloutEngine` samples prompts x group_size trajectories with the current policy,
+     code runs in the `SandboxPool` (owned by a `sandbox.PoolThread`);
+  3. scores and advantages: R_acc, format, per-turn execution status (`rl.scoring`), then
+     `rbat_advantages` on the global batch (jit kernel; reward parts for the logs);
+  4. batch: trajectories -> the GRPO batch padded to a bucket (`train.rl_batch`);
+  5. old log-probs: recomputed by the trainer (as verl), and the frozen reference's when KL is on;
+  6. update: `train.grpo.grpo_train_step` (jitted, sharded, micro-batched);
+  7. metrics (`runs/grpo_metrics.py`), checkpoint (orbax, with the step number: prompts and
+     sampling keys follow from it), evaluation on held-out prompts every `eval.every` steps
+     (`eval.rollouts.evaluate`, the evaluation the demo and `launch.eval` use too).
+Setup (model, initial weights, state, checkpointer, metric writer, jit caches) is `runs.setup`'s,
+shared with SFT. Rollouts run on the training mesh's parameters (one process). With several
+processes each host rolls out its share of the prompts with a host-local copy of the parameters,
+the R_BAT statistics are taken over all hosts' trajectories, and the update runs on the global mesh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import time
+
+import jax
+
+from codedance_jax.rl import GRPOLossConfig, RBATConfig
+from codedance_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig
+from codedance_jax.rollout.buckets import CompileCounter
+from codedance_jax.runs import grpo_stages as stages
+from codedance_jax.runs import setup
+from codedance_jax.runs.grpo_metrics import metrics_row
+from codedance_jax.runs.grpo_stages import GRPOContext, rollout_model
+from codedance_jax.train import optim
+from codedance_jax.train.batching import check_buckets
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------------- config
+def rbat_config(c) -> RBATConfig:
+    base = RBATConfig.release if c.preset == "release" else RBATConfig.paper
+    return base(mode=c.mode, gamma=float(c.gamma), delta=float(c.delta), beta=float(c.beta))
+
+
+def loss_config(c) -> GRPOLossConfig:
+    return GRPOLossConfig(clip_eps=float(c.clip_eps), aggregation=c.aggregation, kl_coef=float(c.kl_coef))
+
+
+def rollout_config(config, *, evaluation: bool = False) -> RolloutConfig:
+    r = dict(config.rollout)
+    for k in ("temperature", "top_p", "top_k"):
+        r.pop(k)
+    r["prompt_buckets"], r["obs_buckets"] = tuple(r["prompt_buckets"]), tuple(r["obs_buckets"])
+    if evaluation:
+        r["max_turns"] = int(config.eval.max_turns)
+        return RolloutConfig.eval(**r)
+    return RolloutConfig.train(**r)
+
+
+def prepare_files(config, workdir: str) -> dict:
+    """Process 0 builds the prompt datasets (and the toy world when asked); all wait at a barrier.
+    Returns the paths the run reads."""
+    d = config.data
+    jsonl, eval_jsonl = list(d.jsonl), list(d.eval_jsonl)
+    world = os.path.join(workdir, "world")
+    processor_dir = config.init_from or config.processor_dir
+    if not jsonl and d.toyworld:
+        jsonl, eval_jsonl = [os.path.join(world, "rl", "prompts.jsonl")], [os.path.join(world, "eval", "prompts.jsonl")]
+        processor_dir = processor_dir or os.path.join(world, "processor")
+    if not jsonl:
+        raise ValueError("no RL prompts: set --config.data.jsonl=FILE[,FILE] (data/rl_prompts.py format) "
+                         "or --config.data.toyworld=True to generate the toy world")
+    if not processor_dir:
+        raise ValueError("no tokenizer: set --config.init_from=CHECKPOINT or --config.processor_dir=DIR")
+    tfds_dir = d.tfds_dir or os.path.join(workdir, "tfds")
+
+    def build():
+        if d.toyworld and not os.path.exists(os.path.join(world, "world.json")) and not list(d.jsonl):
+            from data.toyworld import generate_world
+
+            n_sft, n_rl, n_eval = (int(x) for x in d.toy_sizes)
+            generate_world(world, n_sft=n_sft, n_rl=n_rl, n_eval=n_eval, seed=config.seed)
+        from data import rl_prompts
+
+        rl_prompts.build_prompts(jsonl, tfds_dir, d.name)
+        if eval_jsonl:
+            rl_prompts.build_prompts(eval_jsonl, tfds_dir, d.eval_name)
+
+    setup.on_process_zero("grpo_files_ready", build)
+    return {"tfds_dir": tfds_dir, "processor_dir": processor_dir, "has_eval": bool(eval_jsonl)}
+
+
+def open_context(config, workdir: str, run_setup) -> tuple[GRPOContext, setup.Run, RolloutEngine, list]:
+    """Everything a step reads: processor, model, mesh, state (restored), prompt source, engines,
+    the sandbox pool. `run_setup` collects what must be closed (an ExitStack)."""
+    from codedance_jax.processing import Processor
+    from data import rl_prompts
+    from sandbox import PoolThread
+
+    rules, mesh = setup.sharding_rules(config), setup.make_mesh(config)
+    files = prepare_files(config, workdir)
+    processor = Processor.from_pretrained(files["processor_dir"], padding_side="left")
+    cfg = setup.model_config(config, files["processor_dir"])
+    hosts, g = jax.process_count(), int(config.group_size)
+    if config.prompts_per_step % hosts:
+        raise ValueError(f"config.prompts_per_step={config.prompts_per_step} must divide over {hosts} processes")
+    shards = mesh.shape["data"] * mesh.shape["fsdp"] * config.grad_accum
+    rows = -(-config.prompts_per_step * g // shards) * shards  # global rows, padded to divide the mesh
+    if rows % hosts:
+        raise ValueError(f"{rows} batch rows do not divide over {hosts} processes; change prompts_per_step")
+    buckets = check_buckets(config.buckets)
+    tx, sched = optim.make_optimizer(config.optim, config.total_steps)
+    loss_cfg = loss_config(config.loss)
+    # With the KL term on, the frozen reference is the initial policy (also for a resumed run).
+    run = setup.open_run(config, workdir, cfg, mesh, rules, tx, params=setup.initial_params(config, mesh, rules),
+                         keep_initial=loss_cfg.kl_coef > 0)
+    run_setup.callback(run.close)
+    ref_params = run.initial_params
+    source = rl_prompts.open_prompts(files["tfds_dir"], config.data.name)
+    eval_prompts = []
+    if files["has_eval"]:
+        es = rl_prompts.open_prompts(files["tfds_dir"], config.data.eval_name)
+        n = len(es) if not config.eval.limit else min(len(es), int(config.eval.limit))
+        eval_prompts = [rl_prompts.to_prompt(es[i]) for i in range(n)]
+    pool = run_setup.enter_context(PoolThread(num_workers=config.sandbox.num_workers,
+                                              timeout_s=config.sandbox.timeout_s, memory_mb=config.sandbox.memory_mb))
+    model = rollout_model(run.mdef, run.state.params, mesh)
+    engine = RolloutEngine(model, processor, dataclasses.replace(rollout_config(config), policy=policy_path(workdir)),
+                           SamplingConfig(temperature=config.rollout.temperature, top_p=config.rollout.top_p,
+                                          top_k=config.rollout.top_k, seed=config.seed))
+    eval_engine = RolloutEngine(model, processor, rollout_config(config, evaluation=True),
+                                SamplingConfig(greedy=True, seed=config.seed))
+    ctx = GRPOContext(config, workdir, processor, cfg, mesh, rules, tx, sched, rbat_config(config.rbat), loss_cfg,
+                      buckets, source, rl_prompts.PromptSchedule(len(source), config.prompts_per_step, config.seed),
+                      engine, pool, rows, ref_params)
+    return ctx, run, eval_engine, eval_prompts
+
+
+def policy_path(workdir: str) -> str:
+    return os.path.join(workdir, "policy")
+
+
+def run_evaluation(ctx: GRPOContext, run: setup.Run, engine: RolloutEngine, prompts: list, step: int) -> dict | None:
+    """Greedy rollouts of the held-out prompts with the current policy; `eval/*` metrics, eval.jsonl."""
+    from eval.rollouts import evaluate
+
+    if not prompts:
+        return None
+    t0 = time.perf_counter()
+    engine.set_model(rollout_model(run.mdef, run.state.params, ctx.mesh))
+    res = evaluate(engine, prompts, ctx.pool, batch=int(ctx.config.eval.batch), keys=tuple(ctx.config.metric_keys))
+    summary = {f"eval/{k}": v for k, v in res.summary.items()}
+    summary["eval/time_s"] = time.perf_counter() - t0
+    run.writer.write(step, summary)
+    if ctx.host == 0:
+        with open(os.path.join(ctx.workdir, "eval.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, **summary}) + "\n")
+        print(f"eval @ step {step}: accuracy {summary.get('eval/accuracy', float('nan')):.3f} "
+              f"turns {summary.get('eval/avg_turns', float('nan')):.2f} "
+              f"exec_success {summary.get('eval/exec_success', float('nan')):.3f}", flush=True)
+    return summary
+
+
+# ----------------------------------------------------------------------------------- the loop
+def train_and_evaluate(config, workdir: str) -> dict:
+    """Runs GRPO to `config.total_steps`, resuming from the latest checkpoint in `workdir`."""
+    workdir = os.path.abspath(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    with contextlib.ExitStack() as closing:  # the run's files, then the sandbox pool, closed on any exit
+        ctx, run, eval_engine, eval_prompts = open_context(config, workdir, closing)
+        history, last_eval = [], None
+        if config.eval.at_start and run.start == 0:
+            last_eval = run_evaluation(ctx, run, eval_engine, eval_prompts, 0)
+        for step in range(run.start, config.total_steps):
+            row, stop = train_step(ctx, run, step)
+            history.append(row)
+            if stop:
+                log.warning("preemption signal: saved step %d, stopping", step + 1)
+                break
+            if config.eval.every and ((step + 1) % config.eval.every == 0 or step + 1 == config.total_steps):
+                last_eval = run_evaluation(ctx, run, eval_engine, eval_prompts, step + 1)
+        from codedance_jax.checkpoint import orbax_io
+
+        orbax_io.save(run.mdef.model(run.state.params), policy_path(workdir), ctx.processor)
+    return {"step": int(run.state.step), "history": history, "eval": last_eval, "policy": policy_path(workdir)}
+
+
+def train_step(ctx: GRPOContext, run: setup.Run, step: int) -> tuple[dict, bool]:
+    """prompts -> rollouts -> scores and R_BAT advantages -> batch -> old log-probs -> update ->
+    metrics / checkpoint. Returns the metrics row and whether a preemption signal stopped the run."""
+    t_step, c0, config = time.perf_counter(), CompileCounter.total(), ctx.config
+    prompts = stages.step_prompts(ctx, step)
+    rollouts = stages.rollout(ctx, run, prompts, step)
+    scores = stages.score(ctx, prompts, rollouts)
+    if config.trajectories_every and (step + 1) % config.trajectories_every == 0:
+        stages.save_trajectories(ctx, rollouts, step)
+    batch = stages.old_logprobs(ctx, run, stages.batch(ctx, rollouts, scores, step))
+    update = stages.update(ctx, run, batch, step)
+    run.state = update.state
+    row = metrics_row(prompts, rollouts, scores, batch, update, cfg=ctx.cfg, group_size=ctx.group_size,
+                      keys=tuple(config.metric_keys),
+                      peak_flops=config.peak_tflops_per_device * 1e12 * jax.device_count())
+    stop, row["time/checkpoint_s"] = stages.checkpoint(ctx, run, step)
+    row["compilations"] = float(CompileCounter.total() - c0)
+    row["step_time_s"] = time.perf_counter() - t_step
+    run.writer.write(step + 1, row)
+    if ctx.host == 0 and ((step + 1) % config.log_every == 0 or step + 1 == config.total_steps):
+        print(run.progress.line(step + 1, {"acc": row["accuracy"], "turns": row["avg_turns"],
+                                           "tool_rate": row["tool_rate"], "pg_loss": update.metrics.get("pg_loss", 0.0),
+                                           "s/step": row["step_time_s"]}), flush=True)
+    return row, stop

