@@ -47,6 +47,7 @@ class AgentJob:
     settings: AgentSettings
     n: int
     future: concurrent.futures.Future
+    script: tuple[str, ...] = ()  # assistant turns forced in order (replay); the model samples after them
 
 
 class AgentWorker:
@@ -73,9 +74,9 @@ class AgentWorker:
         self.jobs.put(None)
         self._thread.join(timeout=30)
 
-    def submit(self, prompt: Prompt, settings: AgentSettings, n: int) -> concurrent.futures.Future:
+    def submit(self, prompt: Prompt, settings: AgentSettings, n: int, script=()) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self.jobs.put(AgentJob(prompt, settings, n, fut))
+        self.jobs.put(AgentJob(prompt, settings, n, fut, tuple(script)))
         return fut
 
     # ------------------------------------------------------------------ worker thread
@@ -133,7 +134,15 @@ class AgentWorker:
             if self.pool is None:
                 raise RuntimeError(f"agent mode needs the code sandbox, which failed to start: {self.pool_error}")
             eng = self._engine(batch[0].settings)
-            trajs, _ = eng.rollout([j.prompt for j in batch], group_size=batch[0].n, sandbox=self.pool)
+            n = batch[0].n
+            scripts = [j.script for j in batch]
+
+            def script(row: int, turn: int) -> str | None:
+                sc = scripts[row // n]
+                return sc[turn] if turn < len(sc) else None
+
+            trajs, _ = eng.rollout([j.prompt for j in batch], group_size=n, sandbox=self.pool,
+                                   script=script if any(scripts) else None)
             k = 0
             for j in batch:
                 res = [result_of(t, self.processor) for t in trajs[k : k + j.n]]

@@ -257,7 +257,11 @@ class Server:
         max_tokens = self._budget(req, len(ids))
         settings = agent_lib.AgentSettings(greedy=req.greedy, temperature=req.temperature, top_p=req.top_p,
                                            seed=req.seed or 0, max_turns=req.max_turns, max_tokens=max_tokens)
-        fut = self.agent.submit(Prompt(f"req-{uuid.uuid4().hex[:8]}", text, images), settings, req.n)
+        script = body.get("agent_script") or []
+        if not isinstance(script, list) or not all(isinstance(t, str) for t in script):
+            raise APIError(400, "agent_script must be a list of strings (assistant turns to force, in order)",
+                           param="agent_script")
+        fut = self.agent.submit(Prompt(f"req-{uuid.uuid4().hex[:8]}", text, images), settings, req.n, script)
         try:
             results = await asyncio.wrap_future(fut)
         except Exception as e:  # noqa: BLE001

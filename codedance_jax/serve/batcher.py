@@ -241,9 +241,10 @@ class Batcher:
             if reason is not None:
                 done[i] = True
                 s.seq = None
-        if done.any():
+        if done.any():  # free the rows: no valid slot, and positions back to 0 (extend keeps the max)
+            done_b = jnp.asarray(done)
             self.cache = drop_slots(self.cache, jnp.asarray(np.repeat(done[:, None], self.cache_slots, 1)),
-                                    jnp.zeros(b, jnp.int32))
+                                    jnp.where(done_b, self.cache.next_pos, 0))
 
     def _finish_reason(self, q: Choice, s: _Slot, stopped: bool, still_active: bool) -> str | None:
         """Decode the row's text; cut at EOS or a request stop string. Returns the finish reason or None."""

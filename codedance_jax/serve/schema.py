@@ -2,7 +2,10 @@
 
 Supported: model, messages, temperature (0 = greedy), top_p, max_tokens / max_completion_tokens,
 stop (string or up to 4 strings), n, seed, stream (+ stream_options.include_usage), logprobs.
-Extensions: `agent` (bool, or use the `<model>-agent` name) and `max_turns` (agent mode).
+Extensions (agent mode): `agent` (bool, or use the `<model>-agent` name), `max_turns`,
+`agent_template` (false: send the messages as they are, without the RL template) and
+`agent_script` (assistant turns forced in order, e.g. to replay a recorded trajectory's code in the
+sandbox; the model samples after them).
 Not supported (400 rather than silently wrong): top_logprobs > 0, tools / function calling,
 response_format other than text. Unknown fields are ignored, as OpenAI-compatible servers do.
 """
