@@ -36,7 +36,8 @@ def evaluate(config, workdir: str) -> dict:
     items = load_benchmark(config.benchmark, config.data_path, limit=config.limit or None)
     mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     model, processor = codedance_jax.from_pretrained(config.checkpoint, dtype=config.dtype, mesh=mesh)
-    judge = Judge(config.judge.url, config.judge.model, config.judge.api_key_env) if config.judge.enabled else None
+    judge = (Judge(config.judge.url, config.judge.model, benchmark=config.benchmark,
+                   api_key_env=config.judge.api_key_env) if config.judge.enabled else None)
     with contextlib.ExitStack() as stack:
         pool = None
         if config.max_turns > 0 and config.sandbox.kind == "pool":

@@ -126,7 +126,7 @@ def test_stop_strings_cut_the_reply(client, reference):
 
 
 def test_concurrent_requests_all_complete_with_their_own_replies(client):
-    questions = [f"question number {k}" for k in range(10)]
+    questions = [f"question number {k}" for k in range(16)]
     alone = {q: _chat(client, q, temperature=0, max_tokens=6 + k).choices[0].message.content
              for k, q in enumerate(questions[:3])}
     seeded = _chat(client, "sample me", temperature=0.8, top_p=0.9, seed=7, max_tokens=8, n=2)
