@@ -10,12 +10,15 @@ status codes; launcher user errors exit 2 with one line.
 import base64
 import concurrent.futures
 import io
+import json
 import os
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import numpy as np
 import openai
@@ -158,7 +161,7 @@ def test_a_short_request_is_not_held_behind_a_long_one(client):
     chunks = []
 
     def long_stream():
-        for c in _chat(client, "a long story", temperature=0, max_tokens=400, stream=True):
+        for _chunk in _chat(client, "a long story", temperature=0, max_tokens=400, stream=True):
             chunks.append(time.time())
         long_done.set()
 
@@ -207,8 +210,6 @@ def test_agent_mode_runs_code_in_the_sandbox(client):
 
 
 def test_errors_are_openai_shaped(client, server):
-    import httpx
-
     def status(fn):
         with pytest.raises(openai.APIStatusError) as e:
             fn()
@@ -232,9 +233,19 @@ def test_errors_are_openai_shaped(client, server):
     assert code == 400 and err["param"] == "top_logprobs"
     code, err = status(lambda: client.chat.completions.create(model="codedance", messages=[]))
     assert code == 400
-    raw = httpx.post(server.base_url + "/chat/completions", content=b"{not json", timeout=30)
-    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
-    assert httpx.get(server.base_url + "/nothing", timeout=30).status_code == 404
+    def raw(path, data=None):
+        req = urllib.request.Request(server.base_url + path, data=data, method="POST" if data else "GET",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    code, body = raw("/chat/completions", b"{not json")
+    assert code == 400 and body["error"]["type"] == "invalid_request_error"
+    code, body = raw("/nothing")
+    assert code == 404 and "error" in body
     # The server still answers after all that.
     assert _chat(client, "still there?", temperature=0, max_tokens=2).choices[0].finish_reason in ("length", "stop")
 
