@@ -25,6 +25,7 @@ flags.DEFINE_integer("max_batch", 8, "Sequences decoded together.")
 flags.DEFINE_integer("decode_chunk", 16, "Decode steps per device call (streaming granularity).")
 flags.DEFINE_bool("agent", True, "Serve '<name>-agent' (needs the sandbox: root, Linux namespaces).")
 flags.DEFINE_integer("sandbox_workers", 2, "Code cells that may run at once in agent mode.")
+flags.DEFINE_bool("local_images", True, "Let image_url name files on this machine (off beyond localhost).")
 flags.DEFINE_bool("warmup", True, "Compile the decode path before accepting requests.")
 
 
@@ -33,7 +34,8 @@ def main(argv):
     f = flags.FLAGS
     logging.set_verbosity(logging.WARNING)  # orbax logs every read at INFO
     cfg = ServeConfig(model_name=f.model_name, max_context=f.max_context, max_batch=f.max_batch,
-                      decode_chunk=f.decode_chunk, agent=f.agent, sandbox_workers=f.sandbox_workers)
+                      decode_chunk=f.decode_chunk, agent=f.agent, sandbox_workers=f.sandbox_workers,
+                      local_images=f.local_images)
     try:
         serve(f.checkpoint, host=f.host, port=f.port, cfg=cfg, dtype=f.dtype, warmup=f.warmup)
     except StartError as e:

@@ -119,11 +119,12 @@ class AgentWorker:
         if eng is None:
             if len(self._engines) >= self._max_cached:
                 self._engines.pop(next(iter(self._engines)))
-            buckets = tuple(b for b in (256, 512, 1024, 2048, 4096, 8192, 16384) if b <= self.max_context)
+            buckets = tuple(b for b in (256, 512, 1024, 2048, 4096, 8192, 16384) if b < self.max_context)
+            buckets += (self.max_context,)  # every prompt that passed the context check has a bucket
             cfg = RolloutConfig.eval(
                 turn_format=self.turn_format, max_turns=s.max_turns, max_turn_tokens=min(1024, s.max_tokens),
                 max_new_tokens=s.max_tokens, max_total_tokens=self.max_context, decode_chunk=self.decode_chunk,
-                prompt_buckets=buckets or (self.max_context,), batch_multiple=1)
+                prompt_buckets=buckets, batch_multiple=1)
             sampling = SamplingConfig(temperature=1.0 if s.greedy else s.temperature, top_p=s.top_p,
                                       greedy=s.greedy, seed=s.seed)
             eng = self._engines[s] = RolloutEngine(self.model, self.processor, cfg, sampling)

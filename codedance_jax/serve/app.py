@@ -48,6 +48,8 @@ class ServeConfig:
     sandbox_workers: int = 2
     sandbox_timeout_s: float = 15.0
     turn_format: str = "code"
+    # image_url parts may name files on the server's machine; turn off when serving beyond localhost.
+    local_images: bool = True
 
 
 class Server:
@@ -151,7 +153,8 @@ class Server:
 
     # ------------------------------------------------------------------ plain chat
     def _encode(self, req: ChatRequest, rewrite=None):
-        text, images = msg_lib.render(self.processor, req.messages, rewrite_last_user=rewrite)
+        text, images = msg_lib.render(self.processor, req.messages, rewrite_last_user=rewrite,
+                                      local_images=self.cfg.local_images)
         try:
             enc = self.processor(text=[text], images=images or None)
         except ValueError as e:  # e.g. placeholder text typed by the user
@@ -191,14 +194,17 @@ class Server:
             return StreamingResponse(self._sse(req, choices, events, rid, created, len(ids)),
                                      media_type="text/event-stream")
         open_ = set(range(req.n))
-        while open_:
-            i, ev = await events.get()
-            if ev["type"] == "error":
-                for ch in choices:
-                    ch.cancelled = True
-                raise APIError(500, f"generation failed: {ev['message']}")
-            if ev["type"] == "done":
-                open_.discard(i)
+        try:
+            while open_:
+                i, ev = await events.get()
+                if ev["type"] == "error":
+                    raise APIError(500, f"generation failed: {ev['message']}")
+                if ev["type"] == "done":
+                    open_.discard(i)
+        except BaseException:  # an error, or the client went away (cancelled): stop decoding for it
+            for ch in choices:
+                ch.cancelled = True
+            raise
         out = []
         for i, ch in enumerate(choices):
             c = {"index": i, "message": {"role": "assistant", "content": ch.text}, "finish_reason": ch.finish_reason,

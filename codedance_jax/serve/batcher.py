@@ -12,7 +12,9 @@ rollout engine's layout: shared write index, per-row valid slots and positions).
      string, `max_tokens` or the context budget, and free their cache slots at once.
 
 So a request that arrives while others decode waits at most one chunk plus its own prefill, and a
-finished row returns as soon as its chunk ends, never after the batch's longest member. When the
+finished row returns as soon as its chunk ends, never after the batch's longest member. New
+sequences take the lowest free rows and each device call covers only rows [0, k), k the smallest
+power of two past the last busy row: one request alone decodes at batch 1, not at `max_batch`. When the
 shared write index runs out of room, finished rows' slots are dropped and the cache is compacted
 (`generate.compact_cache`, exact).
 
@@ -27,6 +29,7 @@ Deviation from the rollout engine: greedy rows of a mixed batch take an extra ar
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import queue
@@ -165,8 +168,8 @@ class Batcher:
         take, self._backlog = self._backlog[: len(free)], self._backlog[len(free) :]
         if not take:
             return
-        rows = free[: len(take)]
-        b = self.max_batch
+        rows = free[: len(take)]  # the lowest free rows: busy rows stay packed at the front
+        b = self._rows_in_use(max(rows) + 1)
         length = _pow2(max(len(q.input_ids) for q in take), self.min_prefill)
         ids = np.full((b, length), self.pad_id, np.int32)
         mask = np.zeros((b, length), np.int32)
@@ -187,8 +190,9 @@ class Batcher:
         if grids:
             vis = vision_inputs(np.concatenate(pvs), grid, cfg, **vision_bucket(grid, cfg, self.vision_min_units))
             feats = encode_vision(self.model, vis)
-        logits, self.cache = extend_arrays(self.model, self.cache, ids, mask, pos, feats, last_only=True)
-        self.logits = _merge_rows(jnp.asarray(on), logits.astype(jnp.float32), self.logits)
+        cache, old_logits = self._head(b)
+        logits, cache = extend_arrays(self.model, cache, ids, mask, pos, feats, last_only=True)
+        self._put(b, cache, _merge_rows(jnp.asarray(on), logits.astype(jnp.float32), old_logits))
         self.index += length
         for i, q in zip(rows, take, strict=True):
             self.slots[i] = _Slot(seq=q, next_pos=int(next_pos[i]))
@@ -196,15 +200,16 @@ class Batcher:
         self.stats["max_rows"] = max(self.stats["max_rows"], sum(s.seq is not None for s in self.slots))
 
     def _decode(self):
-        n, b = self.decode_chunk, self.max_batch
+        n = self.decode_chunk
         self._ensure_room(n)
+        b = self._rows_in_use(1 + max(i for i, s in enumerate(self.slots) if s.seq is not None))
         active = np.zeros(b, bool)
         limit = np.zeros(b, np.int32)
         hist = np.full((b, self.hist_len), -1, np.int32)
         uid = np.zeros(b, np.int32)
         count = np.zeros(b, np.int32)
         temp, top_p, greedy = np.ones(b, np.float32), np.ones(b, np.float32), np.ones(b, bool)
-        for i, s in enumerate(self.slots):
+        for i, s in enumerate(self.slots[:b]):
             q = s.seq
             if q is None:
                 continue
@@ -216,12 +221,15 @@ class Batcher:
             uid[i], count[i] = q.uid, len(q.tokens)
             temp[i], top_p[i], greedy[i] = (1.0 if q.greedy else q.temperature), q.top_p, q.greedy
         forced = np.full((b, n), -1, np.int32)
-        out, self.cache, self.logits = self.sampler.decode_chunk(
-            self.cache, self.logits, active, limit, hist, forced, uid, count, rows=RowSampling(temp, top_p, greedy))
+        cache, logits = self._head(b)
+        out, cache, logits = self.sampler.decode_chunk(
+            cache, logits, active, limit, hist, forced, uid, count, rows=RowSampling(temp, top_p, greedy))
+        self._put(b, cache, logits)
         self.index = out.start + out.steps
         self.stats["chunks"] += 1
-        done = np.zeros(b, bool)
-        for i, s in enumerate(self.slots):
+        self.stats["row_steps"] = self.stats.get("row_steps", 0) + b * out.steps
+        done = np.zeros(self.max_batch, bool)
+        for i, s in enumerate(self.slots[:b]):
             q = s.seq
             if q is None:
                 continue
@@ -242,9 +250,8 @@ class Batcher:
                 done[i] = True
                 s.seq = None
         if done.any():  # free the rows: no valid slot, and positions back to 0 (extend keeps the max)
-            done_b = jnp.asarray(done)
             self.cache = drop_slots(self.cache, jnp.asarray(np.repeat(done[:, None], self.cache_slots, 1)),
-                                    jnp.where(done_b, self.cache.next_pos, 0))
+                                    jnp.where(jnp.asarray(done), self.cache.next_pos, 0))
 
     def _finish_reason(self, q: Choice, s: _Slot, stopped: bool, still_active: bool) -> str | None:
         """Decode the row's text; cut at EOS or a request stop string. Returns the finish reason or None."""
@@ -303,6 +310,23 @@ class Batcher:
             except Exception:  # noqa: BLE001 - a vanished client must not stop the loop
                 log.exception("event handler failed")
 
+    def _rows_in_use(self, n: int) -> int:
+        """The rows a device call covers: a power of two >= n (capped at max_batch), so a lightly loaded
+        server does not pay for its whole batch every step, with few distinct shapes to compile."""
+        return min(self.max_batch, _pow2(n, 1))
+
+    def _head(self, k: int):
+        """(cache, logits) of rows [0, k): the whole arrays when k is the batch, else copies."""
+        if k == self.max_batch:
+            return self.cache, self.logits
+        return _head_rows(self.cache, self.logits, k=k)
+
+    def _put(self, k: int, cache, logits):
+        if k == self.max_batch:
+            self.cache, self.logits = cache, logits
+        else:  # written back in place (the full arrays are donated)
+            self.cache, self.logits = _put_rows(self.cache, self.logits, cache, logits)
+
     def _ensure_room(self, n: int):
         if self.index + n <= self.cache_slots:
             return
@@ -330,6 +354,23 @@ def request_uid(seed: int | None, choice: int) -> int:
     if seed is None:
         return (0x40000000 + next(_uids) * 977 + choice) & 0x7FFFFFFF
     return (int(seed) * 1_000_003 + choice * 7919) & 0x3FFFFFFF
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def _head_rows(cache, logits, *, k: int):
+    cut = lambda x: x[:k]  # noqa: E731
+    return cache.replace(k=tuple(map(cut, cache.k)), v=tuple(map(cut, cache.v)), valid=cut(cache.valid),
+                         next_pos=cut(cache.next_pos)), cut(logits)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _put_rows(cache, logits, sub, sub_logits):
+    def put(full, part):
+        return jax.lax.dynamic_update_slice_in_dim(full, part, 0, axis=0)
+
+    return cache.replace(k=tuple(map(put, cache.k, sub.k)), v=tuple(map(put, cache.v, sub.v)),
+                         valid=put(cache.valid, sub.valid), next_pos=put(cache.next_pos, sub.next_pos),
+                         index=sub.index), put(logits, sub_logits)
 
 
 @jax.jit

@@ -23,13 +23,16 @@ from codedance_jax.serve.errors import APIError
 ROLES = ("system", "user", "assistant", "tool")
 
 
-def load_image(url: str, where: str) -> Image.Image:
+def load_image(url: str, where: str, local_images: bool = True) -> Image.Image:
     """A PIL RGB image from a data URL, a file:// URL or a local path (400 with the reason if not)."""
     if not isinstance(url, str) or not url:
         raise APIError(400, f"{where}: image_url.url must be a non-empty string", param=where, code="invalid_image")
     if url.startswith(("http://", "https://")):
         raise APIError(400, f"{where}: remote image URLs are not fetched by this server; send the image as a "
                        "data:image/...;base64, URL or a local file path", param=where, code="invalid_image")
+    if not url.startswith("data:") and not local_images:
+        raise APIError(400, f"{where}: this server reads images from data: URLs only (started with "
+                       "--nolocal_images)", param=where, code="invalid_image")
     try:
         if url.startswith("data:"):
             header, _, payload = url.partition(",")
@@ -51,7 +54,7 @@ def load_image(url: str, where: str) -> Image.Image:
 
 
 def render(processor, messages: Sequence[Any], *, add_generation_prompt: bool = True,
-           rewrite_last_user=None) -> tuple[str, list[Image.Image]]:
+           rewrite_last_user=None, local_images: bool = True) -> tuple[str, list[Image.Image]]:
     """(chat text ending with the assistant header, images in order of appearance).
 
     `rewrite_last_user(text) -> text`: applied to the text of the last user message (agent mode
@@ -83,7 +86,7 @@ def render(processor, messages: Sequence[Any], *, add_generation_prompt: bool = 
             elif kind == "image_url":
                 iu = _get(part, "image_url")
                 url = iu if isinstance(iu, str) else _get(iu, "url")
-                images.append(load_image(url, where))
+                images.append(load_image(url, where, local_images))
                 parts.append({"type": "image"})
             else:
                 raise APIError(400, f"{where}.type must be 'text' or 'image_url'; got {kind!r}", param=where)
