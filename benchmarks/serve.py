@@ -78,7 +78,7 @@ def main():
     concs = [int(c) for c in args.concurrency.split(",")]
 
     import openai
-    from conftest import ServerProcess, write_tiny_checkpoint
+    from serve_helpers import ServerProcess, write_tiny_checkpoint
 
     import codedance_jax
 

@@ -23,8 +23,8 @@ import urllib.request
 import numpy as np
 import openai
 import pytest
-from conftest import MAX_CONTEXT, ROOT, server_env
 from PIL import Image
+from serve_helpers import MAX_CONTEXT, ROOT, server_env
 
 
 def _png_url(img: Image.Image) -> str:
