@@ -37,7 +37,8 @@ def evaluate(config, workdir: str) -> dict:
     mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     model, processor = codedance_jax.from_pretrained(config.checkpoint, dtype=config.dtype, mesh=mesh)
     judge = (Judge(config.judge.url, config.judge.model, benchmark=config.benchmark,
-                   api_key_env=config.judge.api_key_env) if config.judge.enabled else None)
+                   api_key_env=config.judge.api_key_env, timeout_s=config.judge.get("timeout_s", 60.0),
+                   retries=config.judge.get("retries", 2)) if config.judge.enabled else None)
     with contextlib.ExitStack() as stack:
         pool = None
         if config.max_turns > 0 and config.sandbox.kind == "pool":
