@@ -6,7 +6,8 @@ The tiny random checkpoint (numpy weights, real Qwen tokenizer files) is served 
 `python -m launch.serve` process on 127.0.0.1 (`--max_batch` = the largest concurrency). For each
 concurrency C, C client threads share `--requests` greedy chat requests (short random questions,
 `max_tokens` tokens, stopped early only by EOS); requests/s and completion tokens/s are measured
-over the whole set after one warm-up round at that concurrency. The baseline is the same model in
+over the whole set after a warm-up round at that concurrency; XLA compilations inside the measured
+run are counted (the server's `/health` reports its process's count). The baseline is the same model in
 this process: `RolloutEngine.rollout` (one turn, no sandbox) on batches of C prompts, one batch
 after the other; it has no HTTP, JSON, tokenization-on-request or scheduling cost, and it cannot
 take a new prompt until its whole batch ends. Prints a table, writes benchmarks/results/serve.json.
@@ -30,6 +31,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 def questions(n: int, offset: int = 0) -> list[str]:
     return [f"Describe item {offset + k} in a few words." for k in range(n)]
+
+
+def compiles(base_url: str) -> int:
+    import urllib.request
+
+    with urllib.request.urlopen(base_url.rsplit("/v1", 1)[0] + "/health", timeout=60) as r:
+        return json.loads(r.read())["stats"]["compiles"]
 
 
 def bench_server(client, qs: list[str], conc: int, max_tokens: int) -> dict:
@@ -57,7 +65,10 @@ def bench_engine(model, processor, qs: list[str], conc: int, max_tokens: int) ->
         return [Prompt(f"p{k}", processor.apply_chat_template([{"role": "user", "content": q}],
                                                               add_generation_prompt=True), []) for k, q in enumerate(batch)]
 
+    from codedance_jax.rollout import CompileCounter
+
     eng.rollout(prompts(qs[:conc]))  # compile this batch size
+    counter = CompileCounter().__enter__()
     t0 = time.perf_counter()
     toks = 0
     for i in range(0, len(qs), conc):
@@ -65,7 +76,7 @@ def bench_engine(model, processor, qs: list[str], conc: int, max_tokens: int) ->
         toks += st.generated_tokens
     wall = time.perf_counter() - t0
     return {"requests": len(qs), "wall_s": wall, "completion_tokens": toks, "requests_per_s": len(qs) / wall,
-            "tokens_per_s": toks / wall}
+            "tokens_per_s": toks / wall, "compiles": counter.so_far}
 
 
 def main():
@@ -88,9 +99,10 @@ def main():
     try:
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", timeout=600, max_retries=0)
         for c in concs:
-            bench_server(client, questions(c, 10_000), c, args.max_tokens)  # warm-up at this concurrency
-            rows.append({"concurrency": c, "path": "server", **bench_server(client, questions(args.requests), c,
-                                                                            args.max_tokens)})
+            bench_server(client, questions(2 * c, 10_000), c, args.max_tokens)  # warm-up at this concurrency
+            before = compiles(server.base_url)
+            row = bench_server(client, questions(args.requests), c, args.max_tokens)
+            rows.append({"concurrency": c, "path": "server", **row, "compiles": compiles(server.base_url) - before})
     finally:
         server.close()
     model, processor = codedance_jax.from_pretrained(ckpt)
@@ -98,10 +110,10 @@ def main():
         rows.append({"concurrency": c, "path": "engine", **bench_engine(model, processor, questions(args.requests), c,
                                                                         args.max_tokens)})
 
-    print(f"{'clients':>7} {'path':>7} {'req/s':>8} {'tok/s':>8} {'wall s':>8} {'tokens':>7}")
+    print(f"{'clients':>7} {'path':>7} {'req/s':>8} {'tok/s':>8} {'wall s':>8} {'tokens':>7} {'compiles':>8}")
     for r in rows:
         print(f"{r['concurrency']:>7} {r['path']:>7} {r['requests_per_s']:>8.2f} {r['tokens_per_s']:>8.1f} "
-              f"{r['wall_s']:>8.2f} {r['completion_tokens']:>7}")
+              f"{r['wall_s']:>8.2f} {r['completion_tokens']:>7} {r['compiles']:>8}")
     ratios = {}
     for c in concs:
         s = next(r for r in rows if r["concurrency"] == c and r["path"] == "server")

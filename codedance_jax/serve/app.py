@@ -110,8 +110,8 @@ class Server:
         @app.get("/health")
         async def health():
             ok = self.batcher.error is None
-            return JSONResponse({"status": "ok" if ok else "error", "error": self.batcher.error},
-                                status_code=200 if ok else 503)
+            return JSONResponse({"status": "ok" if ok else "error", "error": self.batcher.error,
+                                 "stats": self.batcher.snapshot()}, status_code=200 if ok else 503)
 
         @app.get("/v1/models")
         async def models():

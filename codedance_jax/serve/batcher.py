@@ -43,7 +43,7 @@ import numpy as np
 
 from codedance_jax.model import rope
 from codedance_jax.model.generate import compact_cache, drop_slots, encode_vision, extend_arrays, vision_inputs
-from codedance_jax.rollout import RowSampling, Sampler, SamplingConfig, build_stop_table, vision_bucket
+from codedance_jax.rollout import CompileCounter, RowSampling, Sampler, SamplingConfig, build_stop_table, vision_bucket
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,7 @@ class Batcher:
         self._backlog: list[Choice] = []
         self._stop = threading.Event()
         self.stats = {"chunks": 0, "prefills": 0, "compactions": 0, "generated_tokens": 0, "max_rows": 0}
+        self._compiles = CompileCounter()  # XLA compilations in this process (reported by /health)
         self._thread = threading.Thread(target=self._run, name="codedance-batcher", daemon=True)
         self.error: str | None = None
 
@@ -118,6 +119,11 @@ class Batcher:
         self._stop.set()
         self.waiting.put(None)  # wake the loop
         self._thread.join(timeout=30)
+
+    def snapshot(self) -> dict:
+        """Counters for /health: chunks, prefills, compactions, tokens, the most rows busy, compilations."""
+        return {**self.stats, "compiles": CompileCounter.total(), "busy_rows": sum(s.seq is not None for s in self.slots),
+                "waiting": self.waiting.qsize() + len(self._backlog)}
 
     def submit(self, seq: Choice) -> None:
         if self.error is not None:

@@ -48,17 +48,27 @@ def load(checkpoint: str, dtype: str = "float32"):
 
 
 def warm_up(server: Server) -> None:
-    """One greedy text request through the batcher: compiles the prefill and decode chunk."""
+    """Greedy text requests through the batcher, k at once for every row bucket k = 1, 2, 4, ...:
+    compiles the short-prompt prefill and the decode chunk of each bucket before the first client
+    (as servers capture one graph per batch size). Longer prompts, images and sampled rows still
+    compile on first use."""
     import threading
 
     ids = server.processor(text=[server.processor.apply_chat_template(
         [{"role": "user", "content": "hi"}], add_generation_prompt=True)])["input_ids"][0].astype("int32")
-    done = threading.Event()
-    ch = Choice(input_ids=ids, pixel_values=None, image_grid_thw=None, max_tokens=2, temperature=1.0, top_p=1.0,
-                greedy=True, uid=0)
-    ch.on_event = lambda ev: done.set() if ev["type"] in ("done", "error") else None
-    server.batcher.submit(ch)
-    done.wait(timeout=600)
+    k, top = 1, server.batcher.max_batch
+    while True:
+        done = threading.Semaphore(0)
+        for _ in range(k):
+            ch = Choice(input_ids=ids, pixel_values=None, image_grid_thw=None, max_tokens=2, temperature=1.0,
+                        top_p=1.0, greedy=True, uid=0)
+            ch.on_event = lambda ev, done=done: done.release() if ev["type"] in ("done", "error") else None
+            server.batcher.submit(ch)
+        for _ in range(k):
+            done.acquire(timeout=600)
+        if k >= top:
+            break
+        k = min(2 * k, top)
 
 
 def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, cfg: ServeConfig | None = None,
