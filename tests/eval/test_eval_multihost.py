@@ -26,8 +26,8 @@ def _env():
 
 
 def _cmd(ckpt, data, wd, *extra):
-    return [sys.executable, "-m", "launch.eval", f"--config.checkpoint={ckpt}", f"--config.data_path={data}",
-            f"--workdir={wd}", "--cpu_devices=1", *ARGS, *extra]
+    return [sys.executable, "-m", "launch.eval", ARGS[0], f"--config.checkpoint={ckpt}", f"--config.data_path={data}",
+            f"--workdir={wd}", "--cpu_devices=1", *ARGS[1:], *extra]
 
 
 def _free_port():

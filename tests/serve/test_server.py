@@ -111,9 +111,12 @@ def test_images_round_trip_from_data_urls_and_paths(client, tmp_path):
     lp_url, text_url = first_logprobs(_png_url(a))
     lp_path, text_path = first_logprobs(str(path))
     lp_file, _ = first_logprobs(f"file://{path}")
-    assert text_url == text_path and lp_url == lp_path == lp_file
+    # The same pixels whatever the source (log-probs to float noise: each request lands on other cache slots).
+    assert text_url == text_path
+    np.testing.assert_allclose(lp_path, lp_url, atol=1e-5)
+    np.testing.assert_allclose(lp_file, lp_url, atol=1e-5)
     lp_b, _ = first_logprobs(_png_url(b))
-    assert lp_b != lp_url  # another image gives the model other pixels
+    assert np.max(np.abs(np.subtract(lp_b, lp_url))) > 1e-3  # another image gives the model other pixels
 
 
 def test_stop_strings_cut_the_reply(client, reference):
