@@ -116,7 +116,7 @@ def test_images_round_trip_from_data_urls_and_paths(client, tmp_path):
     np.testing.assert_allclose(lp_path, lp_url, atol=1e-5)
     np.testing.assert_allclose(lp_file, lp_url, atol=1e-5)
     lp_b, _ = first_logprobs(_png_url(b))
-    assert np.max(np.abs(np.subtract(lp_b, lp_url))) > 1e-3  # another image gives the model other pixels
+    assert np.max(np.abs(np.subtract(lp_b, lp_url))) > 1e-4  # another image gives the model other pixels
 
 
 def test_stop_strings_cut_the_reply(client, reference):
