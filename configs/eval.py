@@ -42,5 +42,8 @@ def get_config(benchmark: str = "ChartQA") -> ml_collections.ConfigDict:
     )
     c.sandbox = ml_collections.ConfigDict(dict(kind="pool", num_workers=16, timeout_s=15.0, memory_mb=2048))
     # Off by default: asked only where VLMEvalKit would ask its judge (rule verdict None).
-    c.judge = ml_collections.ConfigDict(dict(enabled=False, url="", model="gpt-4o-mini", api_key_env="OPENAI_API_KEY"))
+    # The judge goes through the openai client: any OpenAI-compatible URL, e.g. launch.serve's
+    # http://127.0.0.1:8000/v1 with model "codedance"; the key is read from the named variable.
+    c.judge = ml_collections.ConfigDict(dict(enabled=False, url="", model="gpt-4o-mini", api_key_env="OPENAI_API_KEY",
+                                             timeout_s=60.0, retries=2))
     return c

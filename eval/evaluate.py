@@ -36,9 +36,23 @@ def evaluate(config, workdir: str) -> dict:
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(config.to_json(indent=2))
     items = load_benchmark(config.benchmark, config.data_path, limit=config.limit or None)
-    mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    import jax
+
+    from eval import multihost
+
+    n_proc, proc = jax.process_count(), jax.process_index()
+    all_ids = [it.index for it in items]
+    run_dir = workdir
+    if n_proc > 1:  # each process evaluates every n-th item on its own devices (eval/multihost.py)
+        items = multihost.share(items, proc, n_proc)
+        run_dir = multihost.process_dir(workdir, proc)
+        os.makedirs(run_dir, exist_ok=True)
+    mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor,
+                     devices=jax.local_devices() if n_proc > 1 else None)
     model, processor = codedance_jax.from_pretrained(config.checkpoint, dtype=config.dtype, mesh=mesh)
-    judge = Judge(config.judge.url, config.judge.model, config.judge.api_key_env) if config.judge.enabled else None
+    judge = (Judge(config.judge.url, config.judge.model, benchmark=config.benchmark,
+                   api_key_env=config.judge.api_key_env, timeout_s=config.judge.get("timeout_s", 60.0),
+                   retries=config.judge.get("retries", 2)) if config.judge.enabled else None)
     with contextlib.ExitStack() as stack:
         pool = None
         if config.max_turns > 0 and config.sandbox.kind == "pool":
@@ -63,11 +77,20 @@ def evaluate(config, workdir: str) -> dict:
             rollout=dict(config.rollout),
         )
         summary = run_eval(
-            config.benchmark, items, policy, workdir, batch_size=config.batch_size, judge=judge, log=logging.info
+            config.benchmark, items, policy, run_dir, batch_size=config.batch_size, judge=judge, log=logging.info
         )
-    with open(os.path.join(workdir, "rollout_stats.jsonl"), "a") as f:
+    with open(os.path.join(run_dir, "rollout_stats.jsonl"), "a") as f:
         for s in policy.stats:
             f.write(json.dumps(s) + "\n")
+    if n_proc > 1:
+        multihost.barrier("eval-done")
+        if proc == 0:
+            summary = multihost.merge(workdir, config.benchmark, all_ids, n_proc, judge_used=judge is not None)
+        multihost.barrier("eval-merged")
+        if proc != 0:
+            with open(os.path.join(workdir, "summary.json")) as f:
+                summary = json.load(f)
+            return summary
     write_report(workdir, summary)
     logging.info("summary: %s", json.dumps(summary))
     return summary

@@ -6,16 +6,21 @@ is copied; the behaviour is reproduced, quirks included, because published numbe
   characters `.()[],:;!*#{}` become spaces, the text is split on whitespace, and exactly one of the
   (uppercase) option letters must appear as its own token, and within the last five tokens
   (`index > len(tokens) - 5`); a few refusal phrases, or a lone `Z` token with no option letter,
-  give `"Z"`. Otherwise `can_infer_text`: a reply longer than twice the total length of the option
+  give `"Z"`. When that settles nothing (no letter, several, or one too early), a last pattern runs on
+  the whole reply: `(correct )answer is **X**` with X in A-D, case-insensitive, upper-cased (VLMEvalKit
+  PR 1552, 2026). Otherwise `can_infer_text`: a reply longer than twice the total length of the option
   texts is rejected; else exactly one option text (lowercased) must occur in the lowercased reply.
   Returns the letter, or None where VLMEvalKit would ask its judge.
 - `relaxed_correctness(target, prediction)`: ChartQA's relaxed accuracy as VLMEvalKit has it: plain
   `float()` after stripping whitespace (so `1,000` and `$45` never parse), a trailing `%` divides by
   100 (`50%` is 0.5, not 50), 5% relative tolerance, and a gold value of 0 (or one that does not
   parse) needs a case-insensitive exact string match.
-- `python_equal(a, b)`: MathVision's `is_equal` with its `eval` replaced by a safe arithmetic
-  evaluator (numbers, + - * / // % ** and Python's `^` = XOR, parentheses) and its `latex2sympy`
-  step approximated by `latex_value` (\\frac, \\dfrac, \\sqrt, \\pi, \\cdot, \\times, ^{...}).
+- `python_equal(a, b)`: MathVision's `is_equal`: lowercased, stripped string equality; then Python
+  `eval` of both within 1e-6, with `eval` replaced by a safe arithmetic evaluator (numbers,
+  + - * / // % ** and Python's `^` = XOR, parentheses: what `eval` gives for those, nothing else
+  runs); then `latex2sympy` (from `latex2sympy2_extended`, default settings) of both, compared by
+  `eval(str(sympy))` and by `abs(a - b) < 1e-6` on the sympy values. VLMEvalKit's 30 s timeout is
+  not reproduced. `latex_value` is the older approximation, kept for `strict_score`.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ _REFUSALS = (
     "Cannot determine the answer",
 )
 _SEPARATORS = ".()[],:;!*#{}"
+_ANSWER_IS = re.compile(r"(?:correct\s+)?answer\s+is\s+\**([ABCD])\**", re.IGNORECASE)
 
 
 def is_missing(v: Any) -> bool:
@@ -62,9 +68,12 @@ def can_infer_option(answer: str, choices: Mapping[str, Any]) -> str | None:
         ch = found[0]
         if tokens.index(ch) > len(tokens) - 5:
             return ch
-        return None
-    if not found and "Z" in tokens:
+    elif not found and "Z" in tokens:
         return "Z"
+    # The last step reads the reply as a whole: an explicit "answer is X" anywhere in it.
+    m = _ANSWER_IS.search(answer)
+    if m and m.group(1).upper() in choices:
+        return m.group(1).upper()
     return None
 
 
@@ -186,11 +195,24 @@ def python_equal(asw: Any, gt: Any) -> bool:
     except (ValueError, TypeError, OverflowError):
         pass
     try:
-        if abs(latex_value(gt) - latex_value(asw)) < 1e-6:
+        a, b = latex2sympy(gt), latex2sympy(asw)
+        try:
+            if abs(safe_eval(str(a)) - safe_eval(str(b))) < 1e-6:
+                return True
+        except (ValueError, TypeError, OverflowError):
+            pass
+        if abs(a - b) < 1e-6:
             return True
-    except (ValueError, TypeError, OverflowError):
+    except Exception:  # noqa: BLE001 - VLMEvalKit's bare except: any parser or sympy failure is "not equal"
         pass
     return False
+
+
+def latex2sympy(text: str):
+    """`latex2sympy2_extended.latex2sympy` with its default settings (imported on first use: it loads antlr)."""
+    from latex2sympy2_extended import latex2sympy as parse
+
+    return parse(text)
 
 
 def literal_list(text: Any) -> list | None:

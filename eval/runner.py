@@ -117,7 +117,7 @@ def _jsonable(v):
 
 def _score(benchmark: str, it: Item, traj, processor, judge, workdir: str) -> tuple[dict, dict]:
     prediction = traj.answer if traj.answer is not None else ""
-    rule = rule_score(benchmark, prediction, it.row)
+    rule = rule_score(benchmark, prediction, it.row, judge=judge is not None)
     strict = strict_score(benchmark, prediction, it.row)
     judged = judge(it.question, it.answer, prediction, it.row) if (judge is not None and rule is None) else None
     final = rule if rule is not None else judged

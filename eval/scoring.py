@@ -1,9 +1,11 @@
 """Per-benchmark scoring: VLMEvalKit's rule-based verdict (`rule_score`, the default, SPEC section 7)
 and a stricter scorer of ours (`strict_score`, labelled "strict" wherever it is reported).
 
-`rule_score(benchmark, prediction, item) -> True | False | None`. None means VLMEvalKit would hand
-the item to its judge model at this point; a run without a judge counts None as wrong, which is
-exactly VLMEvalKit's `exact_matching` mode for the multiple-choice benchmarks.
+`rule_score(benchmark, prediction, item, judge=False) -> True | False | None`. None means VLMEvalKit
+would hand the item to its judge model at this point; a run without a judge counts None as wrong,
+which is exactly VLMEvalKit's `exact_matching` mode for the multiple-choice benchmarks. `judge`
+says whether a judge runs, which changes WeMath's rule (as in VLMEvalKit). The `*_post_check`
+functions score a judge's *extraction* with the benchmark's rule (`eval.judge`).
 
 How each benchmark follows VLMEvalKit (`vlmeval/dataset/...`, read at its 2025 code):
 
@@ -11,11 +13,11 @@ How each benchmark follows VLMEvalKit (`vlmeval/dataset/...`, read at its 2025 c
 |---|---|---|
 | CountBenchQA, PixmoCount | `str(answer) in str(prediction)` | exact (so "1" is found in "10") |
 | VStarBench, HRBench4K/8K | `can_infer`, else judge (`exact_matching`: wrong) | exact; None where the judge would run |
-| WeMath | `can_infer`, else judge (with a judge key) | exact for that path; the judge-less `Answer`-split rule is not used |
+| WeMath | with a judge: `can_infer`, else judge; without: the text after the last `Answer`, `<>:.` removed, stripped, its first character if in A-H, == answer | exact, both paths |
 | ChartQA | relaxed accuracy, 5%, plain `float()`, max over answers | exact |
 | MathVista | prefetch: `can_infer` for multi_choice; `int()`/`float()` == for integer/float; else judge | exact prefetch, incl. gold 0 (falsy) -> judge, text/list -> judge |
-| MathVision | `\\boxed{}` taken; `can_infer` for choices; `is_equal` (eval, latex2sympy) for free form | approximate: eval is a safe arithmetic evaluator, latex2sympy a small LaTeX evaluator |
-| MathVerse | judge extracts the answer, then exact string == answer, else judge | approximate: the prediction itself stands for the extraction |
+| MathVision | `\\boxed{}` taken; `can_infer` for choices; `is_equal` (eval, latex2sympy) for free form | exact but for `eval`, a safe arithmetic evaluator (same value on arithmetic; nothing else runs); latex2sympy2_extended as VLMEvalKit calls it |
+| MathVerse | judge extracts the answer, then exact string == answer, else judge | without a judge the prediction stands for the extraction; with one, VLMEvalKit's two calls |
 | CharXiv | judge grades every item | exact: always None |
 
 Aggregates (`eval.summary`) follow VLMEvalKit too: HRBench averages the accuracy of each
@@ -81,9 +83,11 @@ def _letters(lst: list) -> dict[str, Any]:
     return {chr(65 + i): x for i, x in enumerate(lst)}
 
 
-def rule_score(benchmark: str, prediction: Any, item: Mapping[str, Any]) -> bool | None:
+def rule_score(benchmark: str, prediction: Any, item: Mapping[str, Any], judge: bool = False) -> bool | None:
     """VLMEvalKit's rule-based verdict for one prediction (see the module docstring)."""
     _check(benchmark)
+    if benchmark == "WeMath" and not judge:
+        return wemath_no_judge(prediction, item["answer"])
     prediction = "" if is_missing(prediction) else str(prediction)
     if benchmark in COUNT:
         return _answer_str(item["answer"]) in prediction
@@ -122,6 +126,50 @@ def _mathvista(prediction: str, item: Mapping[str, Any]) -> bool | None:
 
 
 _BOXED = re.compile(r"\\boxed\{([^}]*)\}")
+_WEMATH_STRIP = re.compile(r"[><:.]")
+
+
+def wemath_no_judge(prediction: Any, answer: Any) -> bool:
+    """WeMath without a judge (VLMEvalKit's `load_and_process_data` when no `hit` column exists): the
+    text after the last "Answer" (case-sensitive), stripped, `> < : .` removed, stripped again; its
+    first character if it is one of A-H; equal to the answer letter. "(B)" and "the answer is B" miss."""
+    if is_missing(prediction):
+        return False
+    text = _WEMATH_STRIP.sub("", str(prediction).split("Answer")[-1].strip()).strip()
+    letter = text[0] if text and text[0] in "ABCDEFGH" else None
+    return letter is not None and letter == str(answer)
+
+
+def mathvista_post_check(extraction: Any, item: Mapping[str, Any]) -> bool:
+    """MathVista's rule on a judge's extraction (`post_check(prefetch=False)`). Text and list answers are
+    never right: VLMEvalKit compares `str(None)` with them there."""
+    ext = "" if is_missing(extraction) else str(extraction)
+    if item.get("question_type") == "multi_choice":
+        return can_infer(ext, _letters(_eval_list(item["choices"]))) == str(item.get("answer_option"))
+    kind = item.get("answer_type")
+    try:
+        if kind == "integer":
+            return int(ext) == int(item["answer"])
+        if kind == "float":
+            return float(ext) == float(item["answer"])
+    except ValueError:
+        return False
+    return _answer_str(item["answer"]) == "None"
+
+
+def mathvision_post_check(extraction: Any, item: Mapping[str, Any]) -> bool:
+    """MathVision's rule on a judge's extraction (`post_check(prefetch=False)`)."""
+    ext = "" if is_missing(extraction) else str(extraction)
+    m = _BOXED.search(ext)
+    response = m.group(1) if m else ext
+    choices = _eval_list(item.get("choices", "[]") or "[]")
+    res = can_infer(response, _letters(choices)) if choices else response
+    return python_equal(False if res is None else res, item["answer"])
+
+
+def mathverse_post_check(extraction: Any, answer: Any) -> bool:
+    """MathVerse's first check on the extraction: equal strings after strip (else a judge call decides)."""
+    return str(extraction).strip() == str(answer).strip()
 
 
 def _mathvision(prediction: str, item: Mapping[str, Any]) -> bool | None:

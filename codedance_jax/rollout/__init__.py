@@ -10,11 +10,11 @@ extraction, observations), record.py (trajectory records, JSON lines), prompts.p
 buckets.py (shape buckets, compile counter).
 """
 
-from codedance_jax.rollout.buckets import CompileCounter
+from codedance_jax.rollout.buckets import CompileCounter, vision_bucket
 from codedance_jax.rollout.engine import RolloutConfig, RolloutEngine, RolloutStats
 from codedance_jax.rollout.prompts import Prompt, rl_prompt, session_files, text_only_prompt
 from codedance_jax.rollout.record import Trajectory, load_jsonl, save_jsonl
-from codedance_jax.rollout.sampler import SamplingConfig, StopTable, build_stop_table, sample
+from codedance_jax.rollout.sampler import RowSampling, Sampler, SamplingConfig, StopTable, build_stop_table, sample
 from codedance_jax.rollout.turns import build_observation, extract_answer, extract_code
 
 __all__ = [
@@ -23,6 +23,8 @@ __all__ = [
     "RolloutConfig",
     "RolloutEngine",
     "RolloutStats",
+    "RowSampling",
+    "Sampler",
     "SamplingConfig",
     "StopTable",
     "Trajectory",
@@ -36,4 +38,5 @@ __all__ = [
     "save_jsonl",
     "session_files",
     "text_only_prompt",
+    "vision_bucket",
 ]

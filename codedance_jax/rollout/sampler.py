@@ -223,6 +223,7 @@ def _decode_chunk(
     use_top_p: bool,
     greedy: bool,
     banned: tuple[int, ...] = (),
+    row_greedy=None,
 ):
     model = nnx.merge(graphdef, state)
     b = logits.shape[0]
@@ -245,6 +246,10 @@ def _decode_chunk(
             greedy=greedy,
             banned=banned,
         )
+        if row_greedy is not None:  # per-row settings mixing sampled and greedy rows (the server's batches)
+            best, _, _ = sample(c["logits"], keys, temperature, top_p, vocab_limit=vocab_limit, top_k=0,
+                                use_top_p=False, greedy=True, banned=banned)
+            tok = jnp.where(row_greedy, best, tok)
         f = forced[rows, jnp.minimum(c["n"], steps - 1)]
         tok = jnp.where(act, jnp.where(f >= 0, f, tok), 0)
         lp = jnp.where(act, jnp.take_along_axis(z, tok[:, None], axis=-1)[:, 0] - lse, 0.0)
@@ -286,6 +291,15 @@ def _decode_chunk(
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class RowSampling:
+    """Per-row sampling settings (numpy [B]): temperature > 0 (log-probs use it), top_p in (0, 1], greedy."""
+
+    temperature: np.ndarray
+    top_p: np.ndarray
+    greedy: np.ndarray
+
+
 @dataclasses.dataclass
 class ChunkOut:
     """Host copies of one decode chunk. Step i of the chunk wrote cache slot `start + i`."""
@@ -314,10 +328,22 @@ class Sampler:
         self._tables = tuple(jnp.asarray(a) for a in (stops.tail, stops.head_col, stops.head_ok, stops.has_head))
         self._key = jax.random.key(cfg.seed)
 
-    def decode_chunk(self, cache: KVCache, logits, active, limit, hist, forced, uid, count):
-        """Runs up to `steps` steps; host inputs are numpy [B] / [B, K+1] / [B, N]. Returns (ChunkOut, cache, logits)."""
+    def decode_chunk(self, cache: KVCache, logits, active, limit, hist, forced, uid, count, rows: RowSampling | None = None):
+        """Runs up to `steps` steps; host inputs are numpy [B] / [B, K+1] / [B, N]. Returns (ChunkOut, cache, logits).
+
+        `rows`: per-row temperature, top-p and greedy flags instead of the config's (one compile for
+        all-greedy batches, one for mixed ones); top-k stays the config's."""
         start = int(cache.index)
         cfg = self.cfg
+        temperature, top_p, use_top_p, greedy, row_greedy = (
+            jnp.float32(cfg.temperature), jnp.float32(cfg.top_p), cfg.top_p < 1.0, cfg.greedy, None)
+        if rows is not None:
+            temperature = jnp.asarray(rows.temperature, jnp.float32)[:, None]
+            # top_p = 1 must keep every token: float32 cumulative mass can reach 1 before the tail.
+            top_p = jnp.asarray(np.where(np.asarray(rows.top_p) >= 1.0, 2.0, rows.top_p), jnp.float32)[:, None]
+            greedy = bool(np.all(rows.greedy))
+            use_top_p = not greedy and bool(np.any(np.asarray(rows.top_p) < 1.0))
+            row_greedy = None if greedy else jnp.asarray(rows.greedy, bool)
         out = _decode_chunk(
             self.state,
             cache,
@@ -328,17 +354,18 @@ class Sampler:
             jnp.asarray(forced, jnp.int32),
             jnp.asarray(uid, jnp.int32),
             jnp.asarray(count, jnp.int32),
-            jnp.float32(cfg.temperature),
-            jnp.float32(cfg.top_p),
+            temperature,
+            top_p,
             self._key,
             *self._tables,
             graphdef=self.graphdef,
             steps=self.steps,
             vocab_limit=self.vocab_limit,
             top_k=cfg.top_k,
-            use_top_p=cfg.top_p < 1.0,
-            greedy=cfg.greedy,
+            use_top_p=use_top_p,
+            greedy=greedy,
             banned=self.banned,
+            row_greedy=row_greedy,
         )
         host = jax.device_get({k: out[k] for k in ("tokens", "logprobs", "emitted", "stopped", "active", "limit", "i")})
         chunk = ChunkOut(

@@ -29,8 +29,9 @@ MCQ = {"question": "What colour is the cup?", "answer": "B", "A": "red", "B": "b
     ],
 )
 def test_mcq_vstar_hrbench_wemath(pred, want):
-    for bench in ("VStarBench", "HRBench4K", "HRBench8K", "WeMath"):
+    for bench in ("VStarBench", "HRBench4K", "HRBench8K"):
         assert rule_score(bench, pred, MCQ) is want, (bench, pred)
+    assert rule_score("WeMath", pred, MCQ, judge=True) is want, pred  # WeMath's can_infer path needs a judge
 
 
 def test_mcq_missing_options_and_nan():
