@@ -7,8 +7,10 @@ Writes predictions.jsonl/.tsv, trajectories.jsonl (+ images/), summary.json/.md 
 in the workdir; run it again with the same workdir to resume (scored items are skipped).
 """
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
+
+from launch import runner
 
 config_flags.DEFINE_config_file("config", None, "configs/eval.py:<benchmark>", lock_config=True)
 flags.DEFINE_string("workdir", None, "Predictions, trajectories, summary and report.", required=True)
@@ -22,4 +24,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    runner.run(main)

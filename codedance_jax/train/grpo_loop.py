@@ -31,11 +31,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from codedance_jax import sharding as shd
+from codedance_jax.errors import ConfigError
 from codedance_jax.model.config import ModelConfig
 from codedance_jax.rl import GRPOLossConfig, RBATConfig, rbat_advantages, rbat_rewards, scoring
 from codedance_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig, rl_prompt, save_jsonl
 from codedance_jax.rollout.buckets import CompileCounter
-from codedance_jax.train import checkpointing, flops, grpo, optim, rl_batch, sft
+from codedance_jax.train import checkpointing, flops, grpo, optim, rl_batch, run_record, sft
 from codedance_jax.train import state as st
 from codedance_jax.train.metrics import MetricWriter, Progress
 from data.batching import check_buckets
@@ -76,10 +77,10 @@ def prepare_files(config, workdir: str) -> dict:
         jsonl, eval_jsonl = [os.path.join(world, "rl", "prompts.jsonl")], [os.path.join(world, "eval", "prompts.jsonl")]
         processor_dir = processor_dir or os.path.join(world, "processor")
     if not jsonl:
-        raise ValueError("no RL prompts: set --config.data.jsonl=FILE[,FILE] (data/rl_prompts.py format) "
+        raise ConfigError("no RL prompts: set --config.data.jsonl=FILE[,FILE] (data/rl_prompts.py format) "
                          "or --config.data.toyworld=True to generate the toy world")
     if not processor_dir:
-        raise ValueError("no tokenizer: set --config.init_from=CHECKPOINT or --config.processor_dir=DIR")
+        raise ConfigError("no tokenizer: set --config.init_from=CHECKPOINT or --config.processor_dir=DIR")
     tfds_dir = d.tfds_dir or os.path.join(workdir, "tfds")
     if jax.process_index() == 0:
         if d.toyworld and not os.path.exists(os.path.join(world, "world.json")) and not list(d.jsonl):
@@ -201,7 +202,7 @@ def evaluate(engine: RolloutEngine, prompts, pool, *, batch: int, keys, seed_off
 def train_and_evaluate(config, workdir: str) -> dict:
     """Runs GRPO to `config.total_steps`, resuming from the latest checkpoint in `workdir`."""
     workdir = os.path.abspath(workdir)
-    os.makedirs(workdir, exist_ok=True)
+    run_record.check(config, workdir, "grpo")
     rules = tuple(tuple(r) for r in config.sharding_rules) if config.sharding_rules else None
     mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     files = prepare_files(config, workdir)
@@ -213,12 +214,12 @@ def train_and_evaluate(config, workdir: str) -> dict:
     hosts, host = jax.process_count(), jax.process_index()
     g = int(config.group_size)
     if config.prompts_per_step % hosts:
-        raise ValueError(f"config.prompts_per_step={config.prompts_per_step} must divide over {hosts} processes")
+        raise ConfigError(f"config.prompts_per_step={config.prompts_per_step} must divide over {hosts} processes")
     n_local = config.prompts_per_step // hosts * g  # trajectories per host
     shards = mesh.shape["data"] * mesh.shape["fsdp"] * config.grad_accum
     rows = -(-config.prompts_per_step * g // shards) * shards  # global rows, padded to divide the mesh
     if rows % hosts:
-        raise ValueError(f"{rows} batch rows do not divide over {hosts} processes; change prompts_per_step")
+        raise ConfigError(f"{rows} batch rows do not divide over {hosts} processes; change prompts_per_step")
     buckets = check_buckets(config.buckets)
     rb_cfg, loss_cfg = rbat_config(config.rbat), loss_config(config.loss)
     tx, sched = optim.make_optimizer(config.optim, config.total_steps)
@@ -243,6 +244,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     if restored is not None:
         _, state, _ = restored
         log.info("resumed from step %d", int(state.step))
+    run_record.remember(config, workdir, "grpo")
     start = int(state.step)
 
     pool = PoolThread(num_workers=config.sandbox.num_workers, timeout_s=config.sandbox.timeout_s,

