@@ -13,6 +13,8 @@ import os
 
 from absl import logging
 
+from codedance_jax.errors import ConfigError
+
 
 def evaluate(config, workdir: str) -> dict:
     import codedance_jax
@@ -24,18 +26,21 @@ def evaluate(config, workdir: str) -> dict:
     from eval.runner import run_eval
 
     if not config.checkpoint:
-        raise ValueError("--config.checkpoint is empty: give a Hugging Face Qwen2.5-VL directory or a converted one")
+        raise ConfigError("--config.checkpoint is empty: give a Hugging Face Qwen2.5-VL directory or a converted one")
     if not config.data_path:
-        raise ValueError(
+        raise ConfigError(
             f"--config.data_path is empty: give the {config.benchmark} file (VLMEvalKit TSV or the "
             f"release) or a directory holding it"
         )
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json(indent=2))
+    if config.sandbox.kind not in ("pool", "none"):
+        raise ConfigError(f"config.sandbox.kind={config.sandbox.kind!r}", "choose 'pool' or 'none'")
+    # Inputs first: a bad path or file stops the run before anything is written to the workdir.
     items = load_benchmark(config.benchmark, config.data_path, limit=config.limit or None)
     mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     model, processor = codedance_jax.from_pretrained(config.checkpoint, dtype=config.dtype, mesh=mesh)
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json(indent=2))
     judge = Judge(config.judge.url, config.judge.model, config.judge.api_key_env) if config.judge.enabled else None
     with contextlib.ExitStack() as stack:
         pool = None
@@ -50,7 +55,7 @@ def evaluate(config, workdir: str) -> dict:
                 )
             )
         elif config.sandbox.kind not in ("pool", "none"):
-            raise ValueError(f"sandbox.kind must be 'pool' or 'none', got {config.sandbox.kind!r}")
+            raise ConfigError(f"sandbox.kind must be 'pool' or 'none', got {config.sandbox.kind!r}")
         policy = RolloutPolicy(
             model,
             processor,

@@ -18,6 +18,15 @@ flags.DEFINE_string("workdir", "/tmp/codedance_demo", "The demo workdir (world a
 flags.DEFINE_list("modes", ["outcome", "tool_bonus", "no_turn", "full"], "Reward variants (RBATConfig.mode).")
 
 
+def _known_modes(modes) -> bool:
+    from codedance_jax.rl.rbat import MODES
+
+    return bool(modes) and all(m in MODES for m in modes)
+
+
+flags.register_validator("modes", _known_modes, "--modes: give reward variants among outcome,tool_bonus,no_turn,full")
+
+
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)

@@ -205,6 +205,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     run_record.check(config, workdir, "grpo")
     rules = tuple(tuple(r) for r in config.sharding_rules) if config.sharding_rules else None
     mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    rb_cfg, loss_cfg = rbat_config(config.rbat), loss_config(config.loss)  # config errors before any work
     files = prepare_files(config, workdir)
     from codedance_jax.processing import Processor
     from data import rl_prompts
@@ -221,7 +222,6 @@ def train_and_evaluate(config, workdir: str) -> dict:
     if rows % hosts:
         raise ConfigError(f"{rows} batch rows do not divide over {hosts} processes; change prompts_per_step")
     buckets = check_buckets(config.buckets)
-    rb_cfg, loss_cfg = rbat_config(config.rbat), loss_config(config.loss)
     tx, sched = optim.make_optimizer(config.optim, config.total_steps)
     mdef, state, state_sh = st.create_train_state(cfg, tx, mesh, seed=config.seed, rules=rules,
                                                   params=load_params(config, mesh, rules))

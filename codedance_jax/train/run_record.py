@@ -29,7 +29,7 @@ IGNORED = (
     "grad_accum", "remat", "export_policy", "eval", "trajectories_every", "data.tfds_dir", "sandbox.num_workers",
     "rollout.decode_chunk", "rollout.append_min_frac",
 )
-_state: dict[str, Any] = {"allow": False, "workdir": None}
+_state: dict[str, Any] = {"allow": False, "workdir": None}  # workdir: of the run that passed `check`
 
 
 def allow_config_change(allow: bool = True) -> None:
@@ -68,7 +68,11 @@ def _path(workdir: str) -> str:
 
 def check(config, workdir: str, kind: str) -> None:
     """Refuse to start `kind` in a workdir that holds another run (see the module docstring). Reads only."""
-    _state["workdir"] = workdir
+    _check(config, workdir, kind)
+    _state["workdir"] = workdir  # from here on, errors report the workdir's checkpoints (resume_hint)
+
+
+def _check(config, workdir: str, kind: str) -> None:
     path = _path(workdir)
     if not os.path.isfile(path):
         return
@@ -99,7 +103,6 @@ def remember(config, workdir: str, kind: str) -> None:
     """Write the run's record (process 0); after an allowed change it holds the new config."""
     import jax
 
-    _state["workdir"] = workdir
     if jax.process_index() != 0:
         return
     os.makedirs(workdir, exist_ok=True)
