@@ -24,7 +24,7 @@ def _known_modes(modes) -> bool:
     return bool(modes) and all(m in MODES for m in modes)
 
 
-flags.register_validator("modes", _known_modes, "--modes: give reward variants among outcome,tool_bonus,no_turn,full")
+flags.register_validator("modes", _known_modes, "unknown reward variant; choose among outcome,tool_bonus,no_turn,full")
 
 
 def main(argv):

@@ -136,7 +136,13 @@ def _flags_error(e: flags.Error) -> tuple[str, str]:
         return f"{flag}: {_last_line(text)}", "fix the config file or its argument (after the ':')"
     if text.startswith("flag --") and ": " in text:
         flag, why = text.split(": ", 1)
-        return f"{flag.removeprefix('flag ')}: {_last_line(why)}", "give a value of the field's type; see --helpfull"
+        flag = flag.removeprefix("flag ")
+        name = flag.split("=", 1)[0]
+        if "must have a value other than None" in why:
+            return f"{name} is required", f"pass {name}=...; see --helpshort"
+        if any(s in why for s in ("invalid literal", "could not convert", "Could not parse", "not a valid")):
+            return f"{flag}: {_last_line(why)}", f"give {name} a value of its type; see --helpfull"
+        return f"{flag}: {_last_line(why)}", "see --helpshort for the flags"
     return _last_line(text), "see --helpshort for the flags"
 
 
@@ -160,7 +166,7 @@ def _check_config_flags() -> None:
         except OSError as e:
             path = str(getattr(flags.FLAGS[name], "config_filename", "") or "")
             if not os.path.isfile(path):
-                fail(f"--{name}={path}: no such config file", "give a file under configs/, e.g. configs/sft.py:tiny")
+                fail(f"--{name}={path}: no such config file", "give one of the files under configs/ (see --helpshort)")
             fail(f"--{name}: {_last_line(str(e))}", "fix the config file")
 
 
