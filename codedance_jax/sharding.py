@@ -12,6 +12,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from codedance_jax.errors import ConfigError
+
 # (logical axis, mesh axis or tuple of mesh axes or None). First match wins.
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp")),
@@ -30,19 +32,24 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
+_MESH_FIX = "set the mesh sizes (--config.mesh.data/fsdp/tensor or --mesh) so that their product is the device count; one may be -1 for the rest"
+
+
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> jax.sharding.Mesh:
     """A (data, fsdp, tensor) mesh; one size may be -1 to take the remaining devices."""
     devices = np.asarray(jax.devices() if devices is None else devices)
     sizes = [data, fsdp, tensor]
     if sizes.count(-1) > 1:
-        raise ValueError("at most one of data/fsdp/tensor may be -1")
+        raise ConfigError(f"mesh data,fsdp,tensor = {sizes}: at most one size may be -1", _MESH_FIX)
     known = int(np.prod([s for s in sizes if s != -1]))
     if -1 in sizes:
         if devices.size % known:
-            raise ValueError(f"{devices.size} devices do not split into data*fsdp*tensor with fixed sizes {sizes}")
+            raise ConfigError(f"mesh data,fsdp,tensor = {sizes}: {devices.size} devices do not split into these sizes",
+                              _MESH_FIX)
         sizes[sizes.index(-1)] = devices.size // known
     if int(np.prod(sizes)) != devices.size:
-        raise ValueError(f"mesh data*fsdp*tensor = {sizes} needs {int(np.prod(sizes))} devices, have {devices.size}")
+        raise ConfigError(f"mesh data*fsdp*tensor = {sizes} needs {int(np.prod(sizes))} devices, have {devices.size}",
+                          _MESH_FIX)
     return jax.sharding.Mesh(devices.reshape(sizes), ("data", "fsdp", "tensor"))
 
 

@@ -27,6 +27,9 @@ import numpy as np
 import tensorflow_datasets as tfds
 from PIL import Image
 
+from codedance_jax.errors import DataError, MissingPathError, UserError
+from data.failed_build import removed_on_failure
+
 DATA_VERSION = "1.0.0"
 BUILDER_NAME = "rl_prompts"
 REQUIRED = ("id", "question", "answer", "images")
@@ -54,17 +57,20 @@ def read_prompts_jsonl(path: str | os.PathLike, load_images: bool = True) -> lis
             try:
                 rec = json.loads(line)
             except ValueError as e:
-                raise ValueError(f"{path}:{n}: not a JSON object ({e}); one prompt per line") from e
+                raise DataError(f"{path}:{n}: not a JSON object ({e})", "one prompt per line") from e
+            if not isinstance(rec, dict):
+                raise DataError(f"{path}:{n}: not a JSON object", "one prompt object per line")
             missing = [k for k in REQUIRED if k not in rec]
             if missing:
-                raise ValueError(f"{path}:{n}: prompt lacks {missing} (required: {list(REQUIRED)})")
+                raise DataError(f"{path}:{n}: prompt lacks {missing}", f"every prompt needs {list(REQUIRED)}")
             if not isinstance(rec["images"], list):
-                raise ValueError(f"{path}:{n}: field 'images' must be a list of paths relative to the file")
+                raise DataError(f"{path}:{n}: field 'images' must be a list", "give paths relative to the file")
             ims = []
             for rel in rec["images"]:
                 p = os.path.join(root, rel)
                 if not os.path.isfile(p):
-                    raise FileNotFoundError(f"{path}:{n}: image {rel!r} not found at {p}")
+                    raise MissingPathError(f"{path}:{n}: image {rel!r} not found at {p}",
+                                           "image paths are relative to the JSONL file's directory")
                 if load_images:
                     with Image.open(p) as im:
                         ims.append(im.convert("RGB"))
@@ -109,15 +115,20 @@ class RLPrompts(tfds.core.GeneratorBasedBuilder):
     def _generate_examples(self, paths: Sequence[str]):
         for i, path in enumerate(paths):
             for n, p in enumerate(read_prompts_jsonl(path, load_images=False)):
-                pngs = []
-                for file in p.images:
-                    with Image.open(file) as im:
-                        buf = io.BytesIO()
-                        im.convert("RGB").save(buf, format="PNG")
-                        pngs.append(buf.getvalue())
+                pngs = [_png(file, f"{path} (prompt {p.id})") for file in p.images]
                 # Keys name files by position (not path): the same files give the same order anywhere.
                 yield f"{i}:{n:08d}", {"id": p.id, "question": p.question, "answer": p.answer,
                                        "meta": json.dumps(p.meta, sort_keys=True), "images": pngs}
+
+
+def _png(file: str, where: str) -> bytes:
+    try:
+        with Image.open(file) as im:
+            buf = io.BytesIO()
+            im.convert("RGB").save(buf, format="PNG")
+            return buf.getvalue()
+    except OSError as e:  # PIL's UnidentifiedImageError and truncated files are OSErrors
+        raise DataError(f"{where}: image {file} does not decode ({e})", "give PNG/JPEG files PIL can read") from e
 
 
 def dataset_dir(data_dir: str | os.PathLike, name: str) -> str:
@@ -129,11 +140,23 @@ def build_prompts(jsonl_paths: Sequence[str | os.PathLike], data_dir: str | os.P
     paths = tuple(os.path.abspath(os.fspath(p)) for p in jsonl_paths)
     for p in paths:
         if not os.path.isfile(p):
-            raise FileNotFoundError(f"prompt file {p} not found")
+            raise MissingPathError(f"prompt file {p} not found", "check --config.data.jsonl / eval_jsonl")
     builder = RLPrompts(config=RLPromptsConfig(name=name, jsonl_paths=paths), data_dir=os.fspath(data_dir),
                         file_format="array_record")
     if not builder.is_prepared():
-        builder.download_and_prepare()
+        # Check every record before TFDS writes anything (cheap: no image is read here).
+        if not sum(len(read_prompts_jsonl(p, load_images=False)) for p in paths):
+            raise DataError(f"{', '.join(paths)}: no prompts (empty files)", "give one prompt object per line")
+        try:
+            with removed_on_failure(dataset_dir(data_dir, name)):
+                builder.download_and_prepare()
+        except Exception as e:  # TFDS wraps errors raised in the generator: surface ours
+            cause = e
+            while cause is not None and not isinstance(cause, UserError):
+                cause = cause.__cause__ or cause.__context__
+            if cause is not None and cause is not e:
+                raise cause from None
+            raise
     return builder.info.splits["train"].num_examples
 
 
@@ -141,7 +164,7 @@ def open_prompts(data_dir: str | os.PathLike, name: str = "default", split: str 
     """Random-access source of decoded records (`to_prompt` turns one into an `RLPrompt`)."""
     path = dataset_dir(data_dir, name)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"no prompt dataset at {path}: build it with data.rl_prompts.build_prompts")
+        raise MissingPathError(f"no prompt dataset at {path}", "build it with data.rl_prompts.build_prompts")
     return tfds.builder_from_directory(path).as_data_source(split=split)
 
 

@@ -37,6 +37,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from codedance_jax.errors import DataError
 from codedance_jax.model.config import ModelConfig
 from codedance_jax.protocol import CODE, TurnFormat
 from codedance_jax.train import batching
@@ -180,8 +181,11 @@ def make_sft_iterator(
     def featurize(record) -> Example:
         return features.featurize(sft_tfds.to_trajectory(record), processor, model_cfg, buckets, turn_format)
 
+    kept = [0]
+
     def fits(ex: Example) -> bool:
         if ex.bucket is not None:
+            kept[0] += 1
             return True
         file, _, line = ex.source.rpartition(":")
         problem = Problem(
@@ -191,9 +195,15 @@ def make_sft_iterator(
             if report.counts["too_long"] < 20:
                 log.warning("skipping example: %s", problem)
             handle_problem(problem, report, on_error)
+            # Every record of a full pass dropped: repeating would spin forever without a batch.
+            if not kept[0] and report.counts["too_long"] >= n_records:
+                raise DataError(f"no example fits a bucket: all {n_records} records are too long, e.g. "
+                                f"{problem.file}:{problem.line}: {problem.detail}",
+                                "add a larger bucket to --config.data.buckets")
         return False
 
     ds = grain.MapDataset.source(source)[shard_index::shard_count]
+    n_records = len(ds)
     ds = ds.shuffle(seed=seed).repeat(num_epochs).map(featurize)
     opts = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
     it_ds = ds.to_iter_dataset(opts).filter(fits)

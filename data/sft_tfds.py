@@ -20,7 +20,9 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow_datasets as tfds
 
-from data.trajectory import DataReport, MalformedRecordError, Message, Trajectory, read_jsonl
+from codedance_jax.errors import ConfigError, MissingPathError, UserError
+from data.failed_build import removed_on_failure
+from data.trajectory import DataReport, Message, Trajectory, read_jsonl
 
 DATA_VERSION = "1.0.0"
 BUILDER_NAME = "sft_trajectories"
@@ -68,6 +70,12 @@ class SftTrajectories(tfds.core.GeneratorBasedBuilder):
 
     def _generate_examples(self, paths: Sequence[str]):
         index = {os.path.abspath(p): i for i, p in enumerate(paths)}
+        yield from self._examples(paths, index)
+        # An entirely malformed dataset stops here (build_dataset removes what TFDS began), rather
+        # than in TFDS's "No examples were yielded".
+        self.report.check_usable(", ".join(paths))
+
+    def _examples(self, paths, index):
         for traj in read_jsonl(paths, on_error=self.builder_config.on_error, report=self.report):
             # The key fixes the record order TFDS shuffles into; it names the file by its position
             # in the list, not its path, so the same files built anywhere give the same order.
@@ -99,16 +107,20 @@ def build_dataset(
     """Validate and convert JSONL trajectories into an array_record TFDS dataset.
 
     Returns the `DataReport` (also written to `build_report.json` beside the data). With
-    `on_error="stop"` the first malformed record raises `MalformedRecordError` (file:line and fix)
-    and nothing is written. An existing dataset of the same name is kept as is (TFDS reuses it)
+    `on_error="stop"` the first malformed record raises `MalformedRecordError` (file:line and fix);
+    when no record is usable a `DataError` gives the count and the first problem. Either way
+    nothing is left on disk. An existing dataset of the same name is kept as is (TFDS reuses it)
     and the report of the build that wrote it is returned.
     """
     if on_error not in ("skip", "stop"):
-        raise ValueError(f"on_error must be 'skip' or 'stop', got {on_error!r}")
+        raise ConfigError(f"on_error must be 'skip' or 'stop', got {on_error!r}")
+    bad = [p for p in jsonl_paths if not isinstance(p, (str, os.PathLike))]
+    if bad:
+        raise ConfigError(f"trajectory files must be paths, got {bad[0]!r}", "give --config.data.jsonl=FILE[,FILE]")
     paths = tuple(os.path.abspath(os.fspath(p)) for p in jsonl_paths)
     for p in paths:
         if not os.path.isfile(p):
-            raise FileNotFoundError(f"trajectory file {p} not found")
+            raise MissingPathError(f"trajectory file {p} not found", "check --config.data.jsonl")
     config = SftTrajectoriesConfig(name=name, jsonl_paths=paths, on_error=on_error)
     report_file = os.path.join(dataset_dir(data_dir, name), REPORT_FILE)
     builder = SftTrajectories(config=config, data_dir=os.fspath(data_dir), file_format="array_record")
@@ -116,11 +128,12 @@ def build_dataset(
         with open(report_file) as f:
             return DataReport.from_json(json.load(f))
     try:
-        builder.download_and_prepare()
+        with removed_on_failure(dataset_dir(data_dir, name)):
+            builder.download_and_prepare()
     except Exception as e:
         # TFDS may wrap errors raised inside the generator; surface ours unchanged.
         cause = e
-        while cause is not None and not isinstance(cause, MalformedRecordError):
+        while cause is not None and not isinstance(cause, UserError):
             cause = cause.__cause__ or cause.__context__
         if cause is not None and cause is not e:
             raise cause from None
@@ -134,7 +147,7 @@ def open_source(data_dir: str | os.PathLike, name: str = "default", split: str =
     """Random-access data source (len / getitem) over a built dataset, for `grain.MapDataset.source`."""
     path = dataset_dir(data_dir, name)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"no dataset at {path}: build it first with data.sft_tfds.build_dataset")
+        raise MissingPathError(f"no dataset at {path}", "build it first with data.sft_tfds.build_dataset (launch.sft does)")
     return tfds.builder_from_directory(path).as_data_source(split=split)
 
 

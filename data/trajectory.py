@@ -38,6 +38,8 @@ from typing import Any
 
 from PIL import Image
 
+from codedance_jax.errors import DataError
+
 IMAGE_MARKER = "<image>"
 ROLES = ("system", "user", "assistant", "observation")
 # Chat-structure and vision tokens: inside content they would corrupt turns or image counts.
@@ -78,7 +80,7 @@ class RecordError(ValueError):
         self.kind, self.detail = kind, detail
 
 
-class MalformedRecordError(ValueError):
+class MalformedRecordError(DataError):
     """Raised in stop mode: names the file, the line, the problem and the fix."""
 
 
@@ -128,13 +130,27 @@ class DataReport:
         if len(self.problems) < self.max_problems:
             self.problems.append(problem)
 
-    def summary(self) -> str:
+    def summary(self, max_lines: int = 20) -> str:
+        """The counts and the first `max_lines` problems as `file:line: kind: detail (fix: ...)`."""
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.counts.items())) or "none"
         lines = [f"{self.num_ok} records ok, {self.num_malformed} malformed ({kinds})"]
-        lines += [f"  {p}" for p in self.problems[:20]]
-        if len(self.problems) > 20:
-            lines.append(f"  ... {self.num_malformed - 20} more")
+        lines += [f"  {p}" for p in self.problems[:max_lines]]
+        if self.num_malformed > max_lines:
+            lines.append(f"  ... {self.num_malformed - max_lines} more")
         return "\n".join(lines)
+
+    def check_usable(self, what: str) -> None:
+        """Raise `DataError` when no record is usable: the count, the first problem and the fix."""
+        if self.num_ok:
+            return
+        if not self.num_malformed:
+            raise DataError(f"{what}: no records (empty files)", "give JSONL files with one trajectory per line")
+        first = self.problems[0] if self.problems else Problem("?", 0, "bad_field", "not kept (max_problems=0)")
+        raise DataError(
+            f"{what}: all {self.num_malformed} records are malformed, e.g. {first.file}:{first.line}: {first.kind}: "
+            f"{first.detail}",
+            f"{FIXES[first.kind]}; nothing was built",
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -15,6 +15,8 @@ import os
 
 from absl import logging
 
+from codedance_jax.errors import ConfigError
+
 
 def evaluate(config, workdir: str) -> dict:
     import codedance_jax
@@ -26,15 +28,15 @@ def evaluate(config, workdir: str) -> dict:
     from eval.runner import run_eval
 
     if not config.checkpoint:
-        raise ValueError("--config.checkpoint is empty: give a Hugging Face Qwen2.5-VL directory or a converted one")
+        raise ConfigError("--config.checkpoint is empty: give a Hugging Face Qwen2.5-VL directory or a converted one")
     if not config.data_path:
-        raise ValueError(
+        raise ConfigError(
             f"--config.data_path is empty: give the {config.benchmark} file (VLMEvalKit TSV or the "
             f"release) or a directory holding it"
         )
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json(indent=2))
+    if config.sandbox.kind not in ("pool", "none"):
+        raise ConfigError(f"config.sandbox.kind={config.sandbox.kind!r}", "choose 'pool' or 'none'")
+    # Inputs first: a bad path or file stops the run before anything is written to the workdir.
     items = load_benchmark(config.benchmark, config.data_path, limit=config.limit or None)
     import jax
 
@@ -50,6 +52,10 @@ def evaluate(config, workdir: str) -> dict:
     mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor,
                      devices=jax.local_devices() if n_proc > 1 else None)
     model, processor = codedance_jax.from_pretrained(config.checkpoint, dtype=config.dtype, mesh=mesh)
+    os.makedirs(workdir, exist_ok=True)  # inputs and checkpoint are good: the run starts writing
+    if proc == 0:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json(indent=2))
     judge = (Judge(config.judge.url, config.judge.model, benchmark=config.benchmark,
                    api_key_env=config.judge.api_key_env, timeout_s=config.judge.get("timeout_s", 60.0),
                    retries=config.judge.get("retries", 2)) if config.judge.enabled else None)
@@ -66,7 +72,7 @@ def evaluate(config, workdir: str) -> dict:
                 )
             )
         elif config.sandbox.kind not in ("pool", "none"):
-            raise ValueError(f"sandbox.kind must be 'pool' or 'none', got {config.sandbox.kind!r}")
+            raise ConfigError(f"sandbox.kind must be 'pool' or 'none', got {config.sandbox.kind!r}")
         policy = RolloutPolicy(
             model,
             processor,

@@ -40,6 +40,7 @@ from typing import Any
 
 from PIL import Image
 
+from codedance_jax.errors import DataError, MissingPathError
 from eval.benchmarks import Benchmark, get_benchmark, question_text
 
 
@@ -77,7 +78,7 @@ def load_benchmark(name: str, path: str | os.PathLike, limit: int | None = None)
         row.setdefault("index", str(len(items)))
         row["index"] = str(row["index"])
         if "answer" not in row or row["answer"] is None:
-            raise ValueError(
+            raise DataError(
                 f"{path}: item {row['index']}: no answer (field 'answer'); a benchmark file must hold the gold answers"
             )
         items.append(Item(row["index"], row, images, question_text(bench, row)))
@@ -86,7 +87,7 @@ def load_benchmark(name: str, path: str | os.PathLike, limit: int | None = None)
     seen = set()
     for it in items:
         if it.index in seen:
-            raise ValueError(f"{path}: index {it.index!r} occurs twice; indices name items in predictions and resume")
+            raise DataError(f"{path}: index {it.index!r} occurs twice; indices name items in predictions and resume")
         seen.add(it.index)
     return items
 
@@ -100,7 +101,7 @@ def _resolve(bench: Benchmark, path: str) -> str:
             for cand in (os.path.join(path, n), os.path.join(path, bench.name, n)):
                 if os.path.isfile(cand):
                     return cand
-    raise FileNotFoundError(
+    raise MissingPathError(
         f"{bench.name}: no benchmark file at {path!r}. Expected VLMEvalKit's {bench.tsv} (published at "
         f"{bench.tsv_url}) or the release's {' / '.join(bench.released)} (from {bench.released_url}), given as "
         f"the file itself or a directory holding it. Nothing is downloaded: fetch it and set --config.data_path."
@@ -116,7 +117,7 @@ def _read_tsv(path: str) -> Iterator[tuple[dict, list[bytes]]]:
     with open(path, newline="", encoding="utf-8") as f:
         rows = list(csv.DictReader(f, delimiter="\t"))
     if rows and not {"index", "answer"} <= set(rows[0]):
-        raise ValueError(f"{path}: a VLMEvalKit TSV needs the columns index and answer; found {sorted(rows[0])[:12]}")
+        raise DataError(f"{path}: a VLMEvalKit TSV needs the columns index and answer; found {sorted(rows[0])[:12]}")
     by_index = {r["index"]: r.get("image") for r in rows}
     for n, r in enumerate(rows, 2):
         row = {k: (None if v == "" else v) for k, v in r.items() if k not in ("image", "image_path") and k is not None}
@@ -128,7 +129,7 @@ def _read_tsv(path: str) -> Iterator[tuple[dict, list[bytes]]]:
             else:
                 images = []
         except (ValueError, OSError) as e:
-            raise ValueError(f"{path}:{n}: cannot read the image of index {r.get('index')}: {e}") from e
+            raise DataError(f"{path}:{n}: cannot read the image of index {r.get('index')}: {e}") from e
         yield row, images
 
 
@@ -168,7 +169,7 @@ def _records(path: str) -> Iterator[dict]:
                     try:
                         yield json.loads(line)
                     except ValueError as e:
-                        raise ValueError(f"{path}:{n}: not a JSON object ({e})") from e
+                        raise DataError(f"{path}:{n}: not a JSON object ({e})") from e
     elif ext == "json":
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -178,9 +179,9 @@ def _records(path: str) -> Iterator[dict]:
         elif isinstance(data, list):
             yield from data
         else:
-            raise ValueError(f"{path}: expected a JSON list of records or an object of id -> record")
+            raise DataError(f"{path}: expected a JSON list of records or an object of id -> record")
     else:
-        raise ValueError(f"{path}: unknown format .{ext}; expected .tsv (VLMEvalKit), .json, .jsonl or .parquet")
+        raise DataError(f"{path}: unknown format .{ext}; expected .tsv (VLMEvalKit), .json, .jsonl or .parquet")
 
 
 _IMAGE_DIRS = ("", "images", "png", "../images", "../png", "imgs")
@@ -196,7 +197,7 @@ def _find_image(base: str, rel: str) -> bytes:
         p = os.path.normpath(os.path.join(base, d, rel))
         if os.path.isfile(p):
             return _read_file(p)
-    raise FileNotFoundError(
+    raise MissingPathError(
         f"image {rel!r} not found under {base} (looked in {', '.join(d or '.' for d in _IMAGE_DIRS)})"
     )
 
@@ -233,7 +234,7 @@ def _released_row(bench: Benchmark, rec: dict, i: int, base: str, path: str) -> 
     try:
         return _adapt(bench, dict(rec), i, base)
     except (KeyError, ValueError, OSError) as e:
-        raise ValueError(
+        raise DataError(
             f"{path}: record {i}: {type(e).__name__}: {e} (expected {bench.name}'s released fields; "
             f"see eval/loaders.py)"
         ) from e
@@ -259,7 +260,7 @@ def _adapt(bench: Benchmark, rec: dict, i: int, base: str) -> tuple[dict, list[b
         if not images and rec.get("image_sha256"):
             hits = [p for d in _IMAGE_DIRS for p in glob.glob(os.path.join(base, d, rec["image_sha256"] + ".*"))]
             if not hits:
-                raise FileNotFoundError(
+                raise MissingPathError(
                     f"no image file {rec['image_sha256']}.* under {base} (PixMo-Count's release "
                     f"lists image URLs: download them and name each by its image_sha256)"
                 )

@@ -8,12 +8,23 @@ R_BAT; each trained with the same seeds and evaluated on the held-out split. Pri
 writes WORKDIR/ablation.md and ablation.json.
 """
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
+
+from launch import runner
 
 config_flags.DEFINE_config_file("config", "configs/demo.py", "configs/demo.py[:default|mini]", lock_config=False)
 flags.DEFINE_string("workdir", "/tmp/codedance_demo", "The demo workdir (world and SFT policy are reused).")
 flags.DEFINE_list("modes", ["outcome", "tool_bonus", "no_turn", "full"], "Reward variants (RBATConfig.mode).")
+
+
+def _known_modes(modes) -> bool:
+    from codedance_jax.rl.rbat import MODES
+
+    return bool(modes) and all(m in MODES for m in modes)
+
+
+flags.register_validator("modes", _known_modes, "unknown reward variant; choose among outcome,tool_bonus,no_turn,full")
 
 
 def main(argv):
@@ -25,4 +36,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    runner.run(main, trains=True)

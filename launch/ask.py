@@ -3,9 +3,9 @@ r"""Main job for now: random checkpoint -> orbax -> load -> answer a question ab
   python -m launch.ask --workdir=/tmp/codedance_ask
 """
 
-from absl import app, flags, logging
+from absl import flags, logging
 
-from codedance_jax import quickstart
+from launch import runner
 
 flags.DEFINE_string("workdir", "/tmp/codedance_ask", "Where checkpoints, the image and summary.json go.")
 flags.DEFINE_string("question", "How many shapes are in this image?", "The question asked about the image.")
@@ -14,8 +14,10 @@ flags.DEFINE_string("question", "How many shapes are in this image?", "The quest
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every read at INFO
+    from codedance_jax import quickstart
+
     quickstart.run(flags.FLAGS.workdir, flags.FLAGS.question)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    runner.run(main)

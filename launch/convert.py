@@ -8,9 +8,9 @@ The direction follows the source: a Hugging Face directory becomes orbax, an orb
 Hugging Face (config.json, safetensors shards, tokenizer and preprocessor files).
 """
 
-from absl import app, flags
+from absl import flags
 
-from codedance_jax.checkpoint.convert import convert
+from launch import runner
 
 flags.DEFINE_string("src", None, "Source checkpoint directory (HF or converted).", required=True)
 flags.DEFINE_string("dst", None, "Destination directory.", required=True)
@@ -20,9 +20,11 @@ flags.DEFINE_string("mesh", None, "data,fsdp,tensor sizes to load onto, e.g. 1,8
 
 def main(argv):
     del argv
+    from codedance_jax.checkpoint.convert import convert
+
     f = flags.FLAGS
     convert(f.src, f.dst, dtype=f.dtype, mesh=f.mesh)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    runner.run(main)

@@ -8,8 +8,10 @@ reward, evaluates again, and writes WORKDIR/report/ (report.md, report.html, plo
 Re-running with the same workdir skips finished phases and resumes training from checkpoints.
 """
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
+
+from launch import runner
 
 config_flags.DEFINE_config_file("config", "configs/demo.py", "configs/demo.py[:default|mini]", lock_config=False)
 flags.DEFINE_string("workdir", "/tmp/codedance_demo", "Where the world, checkpoints, evaluations and the report go.")
@@ -24,4 +26,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    runner.run(main, trains=True)

@@ -9,10 +9,10 @@ Several processes (`--coordinator_address --num_processes --process_id`, or `--t
 evaluate every n-th item in WORKDIR/processes/P/; process 0 merges them into WORKDIR.
 """
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
-from launch import distributed
+from launch import distributed, runner
 
 config_flags.DEFINE_config_file("config", None, "configs/eval.py:<benchmark>", lock_config=True)
 flags.DEFINE_string("workdir", None, "Predictions, trajectories, summary and report.", required=True)
@@ -27,4 +27,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    runner.run(main)

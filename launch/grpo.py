@@ -7,10 +7,10 @@ r"""GRPO with R_BAT: multi-turn rollouts through the sandbox, sharded policy upd
 Killed or preempted runs resume from the latest checkpoint in DIR. Multi-host flags as in launch.sft.
 """
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
-from launch import distributed
+from launch import distributed, runner
 
 config_flags.DEFINE_config_file("config", None, "configs/grpo.py:<preset>", lock_config=True)
 flags.DEFINE_string("workdir", None, "Checkpoints, metrics.jsonl, eval.jsonl, the final policy.", required=True)
@@ -25,4 +25,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    runner.run(main, trains=True)

@@ -7,10 +7,10 @@ Multi-host: pass --coordinator_address=HOST:PORT --num_processes=N --process_id=
 TPU pods, where `jax.distributed.initialize()` discovers them; see launch/tpu_pod_sft.sh).
 """
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
-from launch import distributed
+from launch import distributed, runner
 
 config_flags.DEFINE_config_file("config", None, "configs/sft.py:<preset>", lock_config=True)
 flags.DEFINE_string("workdir", None, "Checkpoints, metrics.jsonl, TensorBoard events.", required=True)
@@ -25,4 +25,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    runner.run(main, trains=True)

@@ -8,6 +8,7 @@ import time
 
 from codedance_jax import sharding as shd
 from codedance_jax.checkpoint import hf, orbax_io
+from codedance_jax.errors import ConfigError, MissingPathError
 from codedance_jax.model.config import ModelConfig
 
 
@@ -26,11 +27,19 @@ def convert(src, dst, *, dtype: str | None = None, mesh: str | None = None, log=
     from codedance_jax.processing import Processor
 
     src, dst = os.fspath(src), os.fspath(dst)
+    if not os.path.isdir(src):
+        raise MissingPathError(f"--src={src}: no such directory",
+                               "give a Hugging Face Qwen2.5-VL checkpoint directory or one converted by launch.convert")
+    if os.path.abspath(src) == os.path.abspath(dst):
+        raise ConfigError(f"--dst={dst} is the source directory", "write the conversion to another directory")
     m = None
     if mesh:
-        sizes = [int(x) for x in mesh.split(",")]
+        try:
+            sizes = [int(x) for x in mesh.split(",")]
+        except ValueError:
+            sizes = []
         if len(sizes) != 3:
-            raise ValueError(f"--mesh={mesh!r}: give three sizes data,fsdp,tensor, e.g. 1,8,1")
+            raise ConfigError(f"--mesh={mesh!r}: not three integer sizes", "give data,fsdp,tensor, e.g. --mesh=1,8,1")
         m = shd.make_mesh(*sizes)
     dtype = dtype or _source_dtype(src)
     cfg = ModelConfig.from_hf_config(src).replace(param_dtype=dtype, dtype=dtype)
@@ -47,6 +56,6 @@ def convert(src, dst, *, dtype: str | None = None, mesh: str | None = None, log=
         direction = "hf->orbax"
         log(f"wrote orbax params + config + tokenizer to {dst}")
     else:
-        raise FileNotFoundError(f"{src}: neither a Hugging Face checkpoint (*.safetensors) nor a converted one ({orbax_io.MARKER}).")
+        raise MissingPathError(f"{src}: neither a Hugging Face checkpoint (*.safetensors) nor a converted one ({orbax_io.MARKER}).")
     log(f"{direction} in {time.time() - t0:.1f}s ({dtype})")
     return direction

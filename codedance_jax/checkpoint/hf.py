@@ -17,6 +17,7 @@ import numpy as np
 
 from codedance_jax.checkpoint import safetensors_io
 from codedance_jax.checkpoint.build import model_from_tensors, params_to_hf
+from codedance_jax.errors import CheckpointError, CheckpointMissingTensorsError
 from codedance_jax.model.config import ModelConfig
 from codedance_jax.model.params import canonical_hf_name, rules
 from codedance_jax.model.qwen25vl import Qwen25VL
@@ -36,7 +37,7 @@ def load_hf_model(path, cfg: ModelConfig | None = None, *, mesh: jax.sharding.Me
     wanted = {r.hf_name for r in rules(cfg)}
     missing = sorted(wanted - set(by_canon))
     if missing:
-        raise KeyError(
+        raise CheckpointMissingTensorsError(
             f"{path}: {len(missing)} tensor(s) missing from the safetensors files, e.g. {missing[:3]}. "
             "The checkpoint is incomplete or its config.json does not match its weights "
             "(check num_hidden_layers, vision depth, tie_word_embeddings)."
@@ -45,7 +46,7 @@ def load_hf_model(path, cfg: ModelConfig | None = None, *, mesh: jax.sharding.Me
     def get(rule):
         arr = src.get(by_canon[rule.hf_name])
         if tuple(arr.shape) != rule.hf_shape:
-            raise ValueError(
+            raise CheckpointError(
                 f"{path}: tensor {rule.hf_name} has shape {tuple(arr.shape)} but config.json implies "
                 f"{rule.hf_shape}; the weights and config.json come from different models."
             )

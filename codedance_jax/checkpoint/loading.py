@@ -7,6 +7,7 @@ import os
 import jax
 
 from codedance_jax.checkpoint import hf, orbax_io
+from codedance_jax.errors import MissingPathError
 from codedance_jax.model.config import ModelConfig
 
 
@@ -22,14 +23,14 @@ def from_pretrained(path, dtype: str = "float32", mesh: jax.sharding.Mesh | None
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"{path}: not a directory; expected a Hugging Face Qwen2.5-VL checkpoint or a converted one.")
+        raise MissingPathError(f"{path}: not a directory; expected a Hugging Face Qwen2.5-VL checkpoint or a converted one.")
     cfg = ModelConfig.from_hf_config(path).replace(param_dtype=str(dtype), dtype=str(compute_dtype or dtype))
     if orbax_io.is_orbax_dir(path):
         model = orbax_io.load(path, cfg, mesh=mesh, rules_table=rules)
     elif hf.is_hf_dir(path):
         model = hf.load_hf_model(path, cfg, mesh=mesh, rules_table=rules)
     else:
-        raise FileNotFoundError(
+        raise MissingPathError(
             f"{path}: neither *.safetensors (Hugging Face) nor {orbax_io.MARKER} (converted by launch.convert) found."
         )
     proc = None

@@ -20,6 +20,7 @@ from flax import nnx
 
 from codedance_jax import sharding as shd
 from codedance_jax.checkpoint.build import abstract_model
+from codedance_jax.errors import CheckpointError, MissingPathError
 from codedance_jax.model.config import ModelConfig
 from codedance_jax.model.qwen25vl import Qwen25VL
 
@@ -47,13 +48,15 @@ def save(model: Qwen25VL, out_dir, processor=None) -> None:
 
 def load(path, cfg: ModelConfig | None = None, *, mesh: jax.sharding.Mesh | None = None, rules_table=None) -> Qwen25VL:
     path = os.path.abspath(os.fspath(path))
+    if not os.path.isfile(os.path.join(path, MARKER)):
+        raise MissingPathError(f"{path}: no {MARKER}; not a checkpoint converted by launch.convert")
     with open(os.path.join(path, MARKER)) as f:
         meta = json.load(f)
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}/{MARKER}: format {meta.get('format')!r} is not {FORMAT!r}")
+        raise CheckpointError(f"{path}/{MARKER}: format {meta.get('format')!r} is not {FORMAT!r}")
     params_dir = os.path.join(path, "params")
     if not os.path.isdir(params_dir):
-        raise FileNotFoundError(f"{params_dir}: missing; the converted checkpoint is incomplete (re-run launch.convert).")
+        raise MissingPathError(f"{params_dir}: missing; the converted checkpoint is incomplete (re-run launch.convert).")
     cfg = cfg or ModelConfig.from_hf_config(path).replace(param_dtype=meta.get("param_dtype", "float32"))
     graphdef, state = abstract_model(cfg)
 
@@ -68,6 +71,6 @@ def load(path, cfg: ModelConfig | None = None, *, mesh: jax.sharding.Mesh | None
         try:
             restored = ckptr.restore(params_dir, abstract_pure)
         except ValueError as e:
-            raise ValueError(f"{params_dir}: does not match config.json ({e}); the config and params come from different models.") from e
+            raise CheckpointError(f"{params_dir}: does not match config.json ({e}); the config and params come from different models.") from e
     nnx.replace_by_pure_dict(state, restored)
     return nnx.merge(graphdef, state)

@@ -16,6 +16,8 @@ from collections.abc import Iterable, Iterator
 import ml_dtypes
 import numpy as np
 
+from codedance_jax.errors import CheckpointError, MissingPathError
+
 DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
@@ -37,23 +39,23 @@ class SafetensorsDir:
                 weight_map = json.load(f).get("weight_map", {})
             missing = sorted(set(weight_map.values()) - set(files))
             if missing:
-                raise FileNotFoundError(
+                raise MissingPathError(
                     f"{index_path} lists shard(s) {missing[:3]} that are not in {self.path}; copy the complete checkpoint."
                 )
         if not files:
-            raise FileNotFoundError(f"{self.path}: no *.safetensors files (expected model.safetensors or shards + {INDEX}).")
+            raise MissingPathError(f"{self.path}: no *.safetensors files (expected model.safetensors or shards + {INDEX}).")
         self.entries: dict[str, tuple[str, dict, int]] = {}
         for fname in files:
             fpath = os.path.join(self.path, fname)
             with open(fpath, "rb") as f:
                 raw = f.read(8)
                 if len(raw) < 8:
-                    raise ValueError(f"{fpath}: truncated safetensors file (no header); re-copy it.")
+                    raise CheckpointError(f"{fpath}: truncated safetensors file (no header); re-copy it.")
                 (n,) = struct.unpack("<Q", raw)
                 try:
                     header = json.loads(f.read(n))
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{fpath}: corrupt safetensors header ({e}); re-copy the file.") from e
+                    raise CheckpointError(f"{fpath}: corrupt safetensors header ({e}); re-copy the file.") from e
             for name, meta in header.items():
                 if name != "__metadata__":
                     self.entries[name] = (fpath, meta, 8 + n)
@@ -65,12 +67,12 @@ class SafetensorsDir:
         """The tensor as a read-only numpy view of the memory-mapped file (no copy)."""
         fpath, meta, base = self.entries[name]
         if meta["dtype"] not in DTYPES:
-            raise ValueError(f"{fpath}: tensor {name} has unsupported dtype {meta['dtype']}")
+            raise CheckpointError(f"{fpath}: tensor {name} has unsupported dtype {meta['dtype']}")
         dtype = DTYPES[meta["dtype"]]
         start, end = meta["data_offsets"]
         shape = tuple(meta["shape"])
         if end - start != dtype.itemsize * int(np.prod(shape)):
-            raise ValueError(f"{fpath}: tensor {name} has {end - start} bytes for shape {shape} {meta['dtype']}")
+            raise CheckpointError(f"{fpath}: tensor {name} has {end - start} bytes for shape {shape} {meta['dtype']}")
         return np.memmap(fpath, dtype=dtype, mode="r", offset=base + start, shape=shape)
 
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from codedance_jax.errors import CheckpointError, MissingPathError
+
 SUPPORTED_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel")
 
 
@@ -155,7 +157,7 @@ class ModelConfig:
                 path = os.path.join(path, "config.json")
             where = path
             if not os.path.exists(path):
-                raise FileNotFoundError(
+                raise MissingPathError(
                     f"{path}: no config.json. A Hugging Face Qwen2.5-VL checkpoint directory holds "
                     "config.json, *.safetensors and the tokenizer files."
                 )
@@ -164,7 +166,7 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         model_type = cfg.get("model_type")
         if model_type != "qwen2_5_vl" and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise ValueError(
+            raise CheckpointError(
                 f"{where}: unsupported architecture (model_type={model_type!r}, architectures={archs}); "
                 f"this port loads Qwen2.5-VL only (model_type 'qwen2_5_vl', {SUPPORTED_ARCHITECTURES})."
             )
@@ -173,11 +175,11 @@ class ModelConfig:
             text.update(cfg["text_config"])
         vis = cfg.get("vision_config")
         if not isinstance(vis, dict):
-            raise ValueError(f"{where}: field 'vision_config' is missing or not an object.")
+            raise CheckpointError(f"{where}: field 'vision_config' is missing or not an object.")
 
         def need(d, key, scope):
             if key not in d:
-                raise ValueError(f"{where}: field '{scope}{key}' is missing; copy it from the checkpoint's config.json.")
+                raise CheckpointError(f"{where}: field '{scope}{key}' is missing; copy it from the checkpoint's config.json.")
             return d[key]
 
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
@@ -214,13 +216,13 @@ class ModelConfig:
             tie_word_embeddings=tie,
         )
         if 2 * sum(t.mrope_section) != t.head_dim:
-            raise ValueError(
+            raise CheckpointError(
                 f"{where}: rope mrope_section {list(t.mrope_section)} must sum to head_dim/2 = {t.head_dim // 2}."
             )
         if v.window_merged < 1:
-            raise ValueError(f"{where}: vision_config.window_size {v.window_size} is smaller than one merged patch.")
+            raise CheckpointError(f"{where}: vision_config.window_size {v.window_size} is smaller than one merged patch.")
         if text.get("use_sliding_window"):
-            raise ValueError(f"{where}: use_sliding_window=true is not supported (no released Qwen2.5-VL uses it).")
+            raise CheckpointError(f"{where}: use_sliding_window=true is not supported (no released Qwen2.5-VL uses it).")
         ids = {k: cfg.get(k, text.get(k)) for k in (
             "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
             "bos_token_id", "eos_token_id")}

@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from codedance_jax.errors import CheckpointError, MissingPathError
+
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
@@ -175,7 +177,7 @@ class ImageConfig:
         if os.path.isdir(file):
             file = os.path.join(file, PREPROCESSOR_CONFIG)
         if not os.path.isfile(file):
-            raise FileNotFoundError(
+            raise MissingPathError(
                 f"{file} not found: a Qwen2.5-VL checkpoint directory needs {PREPROCESSOR_CONFIG} "
                 "(min_pixels, max_pixels, patch_size, merge_size, temporal_patch_size, image_mean, image_std)"
             )
@@ -183,7 +185,7 @@ class ImageConfig:
             try:
                 d = json.load(f)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{file} is not valid JSON: {e}") from e
+                raise CheckpointError(f"{file} is not valid JSON: {e}") from e
         return cls.from_dict(d, source=file)
 
     def to_dict(self) -> dict[str, Any]:

@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import tokenizers
 
+from codedance_jax.errors import CheckpointError, MissingPathError
+
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 CHAT_TEMPLATE_JINJA = "chat_template.jinja"
@@ -143,23 +145,23 @@ class Tokenizer:
         cfg_file = os.path.join(path, TOKENIZER_CONFIG)
         for f in (tok_file, cfg_file):
             if not os.path.isfile(f):
-                raise FileNotFoundError(
+                raise MissingPathError(
                     f"{f} not found: the tokenizer needs {TOKENIZER_FILE} (the BPE model) and "
                     f"{TOKENIZER_CONFIG} (special tokens, pad token, chat template) in {path}"
                 )
         try:
             backend = tokenizers.Tokenizer.from_file(tok_file)
         except Exception as e:
-            raise ValueError(f"{tok_file} could not be read by the tokenizers library: {e}") from e
+            raise CheckpointError(f"{tok_file} could not be read by the tokenizers library: {e}") from e
         with open(cfg_file) as f:
             try:
                 config = json.load(f)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{cfg_file} is not valid JSON: {e}") from e
+                raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from e
         cls._add_config_tokens(backend, config, cfg_file)
         side = padding_side or config.get("padding_side") or "right"
         if side not in ("left", "right"):
-            raise ValueError(f"{cfg_file}: field 'padding_side' must be 'left' or 'right', got {side!r}")
+            raise CheckpointError(f"{cfg_file}: field 'padding_side' must be 'left' or 'right', got {side!r}")
         extra = {
             n: os.path.join(path, n) for n in ("vocab.json", "merges.txt") if os.path.isfile(os.path.join(path, n))
         }
@@ -174,7 +176,7 @@ class Tokenizer:
             have = backend.token_to_id(content)
             if have is None:
                 if int(idx) != backend.get_vocab_size(with_added_tokens=True):
-                    raise ValueError(
+                    raise CheckpointError(
                         f"{source}: added_tokens_decoder[{idx}] {content!r} is missing from {TOKENIZER_FILE} "
                         "and cannot be appended at that id"
                     )
@@ -182,7 +184,7 @@ class Tokenizer:
                 token = tokenizers.AddedToken(content, special=bool(spec.get("special", False)), **flags)
                 backend.add_tokens([token])
             elif have != int(idx):
-                raise ValueError(
+                raise CheckpointError(
                     f"{source}: added_tokens_decoder maps {content!r} to {idx}, but {TOKENIZER_FILE} has it at {have}"
                 )
 

