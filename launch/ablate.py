@@ -11,6 +11,8 @@ writes WORKDIR/ablation.md and ablation.json.
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from codedance_jax import compile_cache
+
 config_flags.DEFINE_config_file("config", "configs/demo.py", "configs/demo.py[:default|mini]", lock_config=False)
 flags.DEFINE_string("workdir", "/tmp/codedance_demo", "The demo workdir (world and SFT policy are reused).")
 flags.DEFINE_list("modes", ["outcome", "tool_bonus", "no_turn", "full"], "Reward variants (RBATConfig.mode).")
@@ -19,6 +21,7 @@ flags.DEFINE_list("modes", ["outcome", "tool_bonus", "no_turn", "full"], "Reward
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
+    compile_cache.enable()  # re-runs and ablations reuse compiled steps (CODEDANCE_COMPILATION_CACHE=off disables)
     from codedance_jax.demo.pipeline import ablate
 
     ablate(flags.FLAGS.config, flags.FLAGS.workdir, tuple(flags.FLAGS.modes))

@@ -299,6 +299,17 @@ class ChunkOut:
     steps: int  # steps run (< N when every row stopped early)
     start: int  # cache slot of step 0
 
+    def expand(self, rows_n: np.ndarray, batch: int) -> ChunkOut:
+        """The chunk of a row subset (rows_n int[n] of a batch of `batch`) as a whole-batch chunk."""
+
+        def put(x):
+            full = np.zeros((batch, *x.shape[1:]), x.dtype)
+            full[rows_n] = x
+            return full
+
+        return ChunkOut(put(self.tokens), put(self.logprobs), put(self.emitted), put(self.stopped), put(self.active),
+                        put(self.limit), self.steps, self.start)
+
 
 class Sampler:
     """Holds the split model, the stop table on device and the sampling settings."""
@@ -314,9 +325,11 @@ class Sampler:
         self._tables = tuple(jnp.asarray(a) for a in (stops.tail, stops.head_col, stops.head_ok, stops.has_head))
         self._key = jax.random.key(cfg.seed)
 
-    def decode_chunk(self, cache: KVCache, logits, active, limit, hist, forced, uid, count):
-        """Runs up to `steps` steps; host inputs are numpy [B] / [B, K+1] / [B, N]. Returns (ChunkOut, cache, logits)."""
-        start = int(cache.index)
+    def decode_chunk(self, cache: KVCache, logits, active, limit, hist, forced, uid, count, start: int | None = None):
+        """Runs up to `steps` steps; host inputs are numpy [B] / [B, K+1] / [B, N]. Returns (ChunkOut, cache, logits).
+
+        start: the cache's write index when the caller tracks it on the host (saves a device sync)."""
+        start = int(cache.index) if start is None else start
         cfg = self.cfg
         out = _decode_chunk(
             self.state,
