@@ -31,7 +31,11 @@ class IdTokenizer:
         self.vocab = vocab
 
     def encode(self, text, **_):
-        return [int(x) for x in text.split()]
+        if isinstance(text, np.ndarray):  # GRPOLearner repeats prompts with numpy
+            if text.size != 1:
+                raise ValueError(f"expected one prompt, got an array of shape {text.shape}")
+            text = text.reshape(-1)[0]
+        return [int(x) for x in str(text).split()]
 
     def decode(self, ids, **_):
         return " ".join(str(int(i)) for i in ids)
@@ -70,8 +74,9 @@ def main():
     cfg = qwen2.ModelConfig(num_layers=s["layers"], vocab_size=s["vocab"], embed_dim=s["hidden"], hidden_dim=s["mlp"],
                             num_heads=s["heads"], head_dim=s["head_dim"], num_kv_heads=s["kv_heads"], rope_theta=1_000_000,
                             norm_eps=1e-6)
-    mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1])
-    with mesh:
+    auto = jax.sharding.AxisType.Auto  # Tunix's Qwen2 embeds with plain gathers (explicit axes would reject them)
+    mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1], axis_types=(auto, auto))
+    with jax.set_mesh(mesh):
         actor = qwen2.Qwen2(cfg, rngs=nnx.Rngs(0))
         ref = qwen2.Qwen2(cfg, rngs=nnx.Rngs(0))
     tok = IdTokenizer(s["vocab"])
@@ -113,7 +118,7 @@ def main():
     def data():
         for _ in range(args.steps):
             step_times.append(time.perf_counter())
-            yield {"prompts": prompts(s["prompts"])}
+            yield {"prompts": np.array(prompts(s["prompts"]))}  # a batch as Tunix's grain pipelines give it
         step_times.append(time.perf_counter())
 
     t0 = time.perf_counter()

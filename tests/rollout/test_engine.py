@@ -250,5 +250,5 @@ def test_shared_prefill_and_row_subsets_keep_trajectories(model, processor):
     np.testing.assert_allclose(np.concatenate([t.logprobs for t in a]), np.concatenate([t.logprobs for t in b]),
                                atol=1e-5)
     assert a[0].turn_status[0] == "ok" and a[0].image_grid_thw == b[0].image_grid_thw and len(a[0].images) == 2
-    assert sa.executions == sb.executions == 3
+    assert sa.executions == sb.executions == 4
     assert_logprobs_match(model, processor, a)
