@@ -115,6 +115,7 @@ class GRPOStepper:
         return dict(times=t, compiles=CompileCounter.total() - c0, mismatch=mismatch,
                     tokens=int(sum(len(tr.tokens) for tr in trajs)), trained=int(local["loss_mask"].sum()),
                     batch_shape=list(local["input_ids"].shape), gen_tokens=rs.generated_tokens,
+                    packed_rows=(-(-local["pack_src"].size // local["input_ids"].shape[1]) if "pack_src" in local else None),
                     appends=rs.appends, decode_chunks=rs.decode_chunks, loss=float(m["loss"]))
 
 
@@ -176,7 +177,7 @@ def demo_case(args):
         for i in range(args.steps):
             rows.append(stepper.step(i, prompts, golds, group, pool, script))
             print(f"demo step {i}: {rows[-1]['times']['step']:.2f} s, {rows[-1]['compiles']} compilations, "
-                  f"batch {rows[-1]['batch_shape']}", flush=True)
+                  f"batch {rows[-1]['batch_shape']} (packed rows {rows[-1]['packed_rows']})", flush=True)
     out = summarize(rows)
     out.update(prompts=n_prompts, group=group, model_params=int(sum(x.size for x in jax.tree.leaves(stepper.state.params))))
     print_table(f"demo GRPO preset ({n_prompts} prompts x {group}, real sandbox)", out)
@@ -203,7 +204,7 @@ def tunix_case(args):
     cfg = ModelConfig(
         vision=VisionConfig(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, window_size=56,
                             out_hidden_size=s["hidden"], fullatt_block_indexes=(0,)),
-        text=TextConfig(vocab_size=-(-n_tok // 64) * 64, hidden_size=s["hidden"], intermediate_size=s["mlp"],
+        text=TextConfig(vocab_size=max(s["vocab"], -(-n_tok // 64) * 64), hidden_size=s["hidden"], intermediate_size=s["mlp"],
                         num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
                         num_key_value_heads=s["kv_heads"], mrope_section=(4, 6, 6)),
         image_token_id=processor.tokenizer.token_to_id("<|image_pad|>"),
@@ -218,7 +219,7 @@ def tunix_case(args):
 
     prompts = []
     for i in range(s["prompts"]):
-        ids = rng.integers(10, 900, s["prompt"]).tolist()
+        ids = rng.integers(10, processor.tokenizer.token_to_id("<|endoftext|>"), s["prompt"]).tolist()  # no specials
         text = processor.decode(ids)
         while len(processor.tokenizer.encode(text)) > s["prompt"]:  # BPE may re-merge decoded text
             ids = ids[:-1]
@@ -259,7 +260,7 @@ def _tunix_grpo_config(s):
     g.rollout.update(max_turns=1, max_turn_tokens=s["gen"], max_new_tokens=s["gen"], max_total_tokens=2 * s["prompt"] + s["gen"],
                      decode_chunk=s["gen"], batch_multiple=8, prompt_buckets=(s["prompt"], 2 * s["prompt"]),
                      obs_buckets=(16,))
-    g.buckets = ((s["prompt"] + s["gen"], 0, 0), (2 * s["prompt"] + s["gen"], 0, 0))
+    g.buckets = ((s["prompt"] + s["gen"], 4, 1), (2 * s["prompt"] + s["gen"], 4, 1))  # text only: a minimal vision bucket
     g.optim.update(lr=1e-5, warmup_ratio=0.0, schedule="constant")
     return g
 

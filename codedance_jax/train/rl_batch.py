@@ -76,9 +76,14 @@ def grpo_batch(trajs, processor, cfg: ModelConfig, buckets: Sequence[Bucket], a_
     batch["turn_ids"] = tid
     batch["a_seq"] = np.asarray(a_seq, np.float32)
     batch["a_turn"] = np.asarray(a_turn, np.float32)
-    if pack is None:
-        import jax
+    import jax
 
+    if jax.process_count() == 1 and not any(len(e.grid_thw) for e in exs):
+        # Text only: without pixel_values the forward skips the vision tower (it would encode the
+        # padding of the bucket: 3x the decoder's time at Tunix's sizes). The plan fields stay, for
+        # the loop's metrics. One process only: hosts must agree on the batch's fields.
+        batch.pop("pixel_values")
+    if pack is None:
         pack = jax.process_count() == 1
     if pack:
         src = pack_plan(batch["attention_mask"])
