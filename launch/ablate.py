@@ -11,6 +11,7 @@ writes WORKDIR/ablation.md and ablation.json.
 from absl import flags, logging
 from ml_collections import config_flags
 
+from codedance_jax import compile_cache
 from launch import runner
 
 config_flags.DEFINE_config_file("config", "configs/demo.py", "configs/demo.py[:default|mini]", lock_config=False)
@@ -30,6 +31,7 @@ flags.register_validator("modes", _known_modes, "unknown reward variant; choose 
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
+    compile_cache.enable()  # re-runs and ablations reuse compiled steps (CODEDANCE_COMPILATION_CACHE=off disables)
     from codedance_jax.demo.pipeline import ablate
 
     ablate(flags.FLAGS.config, flags.FLAGS.workdir, tuple(flags.FLAGS.modes))

@@ -11,6 +11,7 @@ Re-running with the same workdir skips finished phases and resumes training from
 from absl import flags, logging
 from ml_collections import config_flags
 
+from codedance_jax import compile_cache
 from launch import runner
 
 config_flags.DEFINE_config_file("config", "configs/demo.py", "configs/demo.py[:default|mini]", lock_config=False)
@@ -20,6 +21,7 @@ flags.DEFINE_string("workdir", "/tmp/codedance_demo", "Where the world, checkpoi
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax and TFDS log every file at INFO
+    compile_cache.enable()  # re-runs and ablations reuse compiled steps (CODEDANCE_COMPILATION_CACHE=off disables)
     from codedance_jax.demo.pipeline import run
 
     run(flags.FLAGS.config, flags.FLAGS.workdir)

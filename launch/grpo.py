@@ -10,6 +10,7 @@ Killed or preempted runs resume from the latest checkpoint in DIR. Multi-host fl
 from absl import flags
 from ml_collections import config_flags
 
+from codedance_jax import compile_cache
 from launch import distributed, runner
 
 config_flags.DEFINE_config_file("config", None, "configs/grpo.py:<preset>", lock_config=True)
@@ -19,6 +20,7 @@ flags.DEFINE_string("workdir", None, "Checkpoints, metrics.jsonl, eval.jsonl, th
 def main(argv):
     del argv
     distributed.initialize()
+    compile_cache.enable()  # re-runs reuse compiled steps (CODEDANCE_COMPILATION_CACHE=off disables)
     from codedance_jax.runs.grpo import train_and_evaluate
 
     train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)

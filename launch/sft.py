@@ -10,6 +10,7 @@ TPU pods, where `jax.distributed.initialize()` discovers them; see launch/tpu_po
 from absl import flags
 from ml_collections import config_flags
 
+from codedance_jax import compile_cache
 from launch import distributed, runner
 
 config_flags.DEFINE_config_file("config", None, "configs/sft.py:<preset>", lock_config=True)
@@ -19,6 +20,7 @@ flags.DEFINE_string("workdir", None, "Checkpoints, metrics.jsonl, TensorBoard ev
 def main(argv):
     del argv
     distributed.initialize()
+    compile_cache.enable()  # re-runs reuse compiled steps (CODEDANCE_COMPILATION_CACHE=off disables)
     from codedance_jax.runs.sft import train_and_evaluate
 
     train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)

@@ -157,3 +157,44 @@ def extend_arrays(model: Qwen25VL, cache: KVCache, ids, mask, positions, feats=N
     """`extend` with host-computed positions int[3, B, C]; last_only gives each row's last real token's logits."""
     return _extend(model, cache, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32), jnp.asarray(positions),
                    feats, last_only)
+
+
+# ------------------------------------------------------------------ row subsets of a batch cache
+# A rollout batch holds every trajectory of a step, but at most steps only some rows take part
+# (the rows appending an observation, the rows still decoding). Running the model over the whole
+# batch with mask 0 for the others costs compute proportional to the batch; these helpers move the
+# taking-part rows into a smaller cache (a row bucket), and back, so the cost follows those rows.
+# Rows are independent in every cache step, so results do not depend on which rows share a call.
+
+
+@jax.jit
+def take_rows(cache: KVCache, rows_n) -> KVCache:
+    """The cache of rows rows_n int[n] (same slots, same write index)."""
+    return KVCache(k=tuple(x[rows_n] for x in cache.k), v=tuple(x[rows_n] for x in cache.v),
+                   valid=cache.valid[rows_n], index=cache.index, next_pos=cache.next_pos[rows_n])
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def put_rows(cache: KVCache, sub: KVCache, rows_n) -> KVCache:
+    """Writes `sub` (from `take_rows(cache, rows_n)` and then extended) back into rows rows_n; the
+    other rows' slots past the old index stay invalid (holes), as if they had sat out with mask 0."""
+    return KVCache(k=tuple(x.at[rows_n].set(s) for x, s in zip(cache.k, sub.k, strict=True)),
+                   v=tuple(x.at[rows_n].set(s) for x, s in zip(cache.v, sub.v, strict=True)),
+                   valid=cache.valid.at[rows_n].set(sub.valid), index=sub.index,
+                   next_pos=cache.next_pos.at[rows_n].set(sub.next_pos))
+
+
+@jax.jit
+def broadcast_rows(cache: KVCache, logits, src_b, on_b):
+    """A cache of B rows where row b copies row src_b[b] of `cache` (rows with on_b False are
+    empty): a prompt prefilled once is shared by its G group members. Returns (cache, logits)."""
+    on = on_b.astype(bool)
+    return KVCache(k=tuple(x[src_b] for x in cache.k), v=tuple(x[src_b] for x in cache.v),
+                   valid=cache.valid[src_b] & on[:, None], index=cache.index,
+                   next_pos=jnp.where(on, cache.next_pos[src_b], 0)), logits[src_b]
+
+
+@jax.jit
+def scatter_logits(full_bv, sub_nv, rows_n, on_n):
+    """full_bv with rows rows_n replaced by sub_nv where on_n."""
+    return full_bv.at[rows_n].set(jnp.where(on_n[:, None], sub_nv, full_bv[rows_n]))

@@ -140,6 +140,29 @@ class Qwen25VL(nnx.Module):
         h, _ = self._decoder(x, positions, text.causal_mask(attention_mask))
         return h if return_hidden else self.logits(h)
 
+    def forward_packed(self, input_ids, positions, pack_src, vis: VisionInputs | None = None):
+        """Hidden states of a batch packed into fewer rows: returns (h [R, T, D], src int[R, T]).
+
+        input_ids int[B, T], positions int[3, B, T] and the per-row images are the unpacked batch;
+        pack_src int[B, K] lists, slot by slot, the flat index b * T + t of the token each packed
+        slot holds (-1: empty), read as a stream cut into R = ceil(B K / T) rows of T. A token attends
+        to the earlier tokens of its own row b only (segment mask), with the positions it has in
+        its own row, so every valid token's hidden state equals the unpacked forward's while
+        attention and MLP run over R rows instead of B.
+        """
+        b, t = input_ids.shape
+        feats = None if vis is None else self.encode_images(vis)
+        x = self.embed_tokens(input_ids, feats)  # images scattered per unpacked row, as `forward`
+        src = pack_src.reshape(-1)
+        r = -(-src.shape[0] // t)
+        src = jnp.pad(src, (0, r * t - src.shape[0]), constant_values=-1).reshape(r, t)
+        take = jnp.maximum(src, 0)
+        xp = x.reshape(b * t, -1)[take]
+        pos = positions.reshape(3, b * t)[:, take]
+        seg = jnp.where(src >= 0, take // t, -1)
+        h, _ = self._decoder(xp, pos, text.segment_mask(seg))
+        return h, src
+
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         t = self.cfg.text
         dt = dtype or self.cfg.compute_dtype

@@ -80,3 +80,12 @@ def cache_mask(valid_bs, index, chunk_len):
     slot = jnp.arange(s)[None, :]
     qslot = index + jnp.arange(chunk_len)[:, None]
     return valid_bs[:, None, :] & (slot <= qslot)[None]
+
+
+def segment_mask(segment_bt):
+    """bool[B, T, T] for packed rows: causal within a segment; segment_bt int[B, T], -1 on padding.
+    A segment's tokens sit in consecutive slots in order, so slot order is time order."""
+    t = segment_bt.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    same = segment_bt[:, :, None] == segment_bt[:, None, :]
+    return causal[None] & same & (segment_bt >= 0)[:, None, :]

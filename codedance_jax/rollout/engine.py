@@ -51,7 +51,17 @@ import numpy as np
 from flax import nnx
 
 from codedance_jax.model import rope
-from codedance_jax.model.generate import compact_cache, drop_slots, encode_vision, extend_arrays, vision_inputs
+from codedance_jax.model.generate import (
+    broadcast_rows,
+    compact_cache,
+    drop_slots,
+    encode_vision,
+    extend_arrays,
+    put_rows,
+    scatter_logits,
+    take_rows,
+    vision_inputs,
+)
 from codedance_jax.protocol import get_turn_format
 from codedance_jax.rollout import turns as turn_lib
 from codedance_jax.rollout.buckets import CompileCounter, round_up, token_bucket, vision_bucket
@@ -288,41 +298,39 @@ class RolloutEngine:
         return _Row(traj=traj, uid=0, phase="pad")
 
     def _prefill(self, prompts, group_size):
+        """Prefill each prompt (and encode its images) once, then copy its cache row to its G group
+        members: the members share the prompt, so the G-fold work bought nothing."""
         t0 = time.perf_counter()
-        encoded = []
-        for p in prompts:
-            enc = self.processor(text=[p.text], images=p.images or None)
-            encoded.append(enc)
-        seqs, pvs, grids = [], [], []
+        encoded = [self.processor(text=[p.text], images=p.images or None) for p in prompts]
+        prompt_ids = [np.asarray(enc["input_ids"][0], np.int32) for enc in encoded]
         for r_i, r in enumerate(self.rows):
             if r.phase == "pad":
-                seqs.append(np.zeros((0,), np.int32))
                 continue
-            enc = encoded[r_i // group_size]
-            ids = np.asarray(enc["input_ids"][0], np.int32)
-            seqs.append(ids)
+            enc, ids = encoded[r_i // group_size], prompt_ids[r_i // group_size]
             r.traj.tokens = ids.tolist()
             r.traj.prompt_len = len(ids)
             r.traj.loss_mask = [0] * len(ids)
             r.traj.turn_ids = [-1] * len(ids)
             r.traj.logprobs = [0.0] * len(ids)
             if "pixel_values" in enc:
-                pvs.append(enc["pixel_values"])
-                grids.append(enc["image_grid_thw"])
                 r.traj.image_grid_thw = np.asarray(enc["image_grid_thw"]).tolist()
-        length = token_bucket(max(len(s) for s in seqs), self.cfg.prompt_buckets, "a prompt")
+        length = token_bucket(max(len(s) for s in prompt_ids), self.cfg.prompt_buckets, "a prompt")
         if length > self.cfg.max_total_tokens:
             raise ValueError(f"prompt bucket {length} > max_total_tokens {self.cfg.max_total_tokens}")
-        ids = np.full((len(self.rows), length), self.pad_id, np.int32)
+        n_src = round_up(len(prompts), self.cfg.batch_multiple)
+        ids = np.full((n_src, length), self.pad_id, np.int32)
         mask = np.zeros_like(ids)
-        for i, s in enumerate(seqs):  # left padding: every row's last prompt token in the last column
+        for i, s in enumerate(prompt_ids):  # left padding: every row's last prompt token in the last column
             ids[i, length - len(s) :] = s
             mask[i, length - len(s) :] = 1
+        pvs = [enc["pixel_values"] for enc in encoded if "pixel_values" in enc]
+        grids = [enc["image_grid_thw"] for enc in encoded if "pixel_values" in enc]
         pv = np.concatenate(pvs) if pvs else None
         grid = np.concatenate(grids) if grids else None
         self.stats.prefill_s += time.perf_counter() - t0
-        rows = np.array([r.phase != "pad" for r in self.rows])
-        self._write_chunk(ids, mask, pv, grid, rows, start=np.zeros(len(self.rows), np.int32), kind="prefill")
+        on = np.array([r.phase != "pad" for r in self.rows])
+        src = np.array([i // group_size if on[i] else 0 for i in range(len(self.rows))], np.int32)
+        self._write_chunk(ids, mask, pv, grid, on, start=np.zeros(n_src, np.int32), kind="prefill", src=src)
         for r in self.rows:
             if r.phase != "pad":
                 self._start_turn(r)
@@ -361,11 +369,38 @@ class RolloutEngine:
         if self.index + n > self.cache.max_len:
             raise RuntimeError(f"the KV cache ({self.cache.max_len} slots) cannot hold the batch: raise cache_len")
 
-    def _write_chunk(self, ids, mask, pv, grid, rows_b, start, kind):
-        """Append a [B, C] chunk (rows_b: which rows take part); positions start at `start`."""
+    def _row_bucket(self, n: int) -> int:
+        """Rows of a device call that runs n rows: batch_multiple x a power of two, at most the batch."""
+        nb = self.cfg.batch_multiple
+        while nb < n:
+            nb *= 2
+        return min(nb, len(self.rows))
+
+    def _subset(self, on: np.ndarray) -> np.ndarray | None:
+        """Row indices (the `on` rows first, in order, then others as padding) of a row bucket, or
+        None when the bucket is the whole batch."""
+        idx = np.nonzero(on)[0]
+        nb = self._row_bucket(len(idx))
+        if nb == len(self.rows):
+            return None
+        return np.concatenate([idx, np.nonzero(~on)[0][: nb - len(idx)]]).astype(np.int32)
+
+    def _write_chunk(self, ids, mask, pv, grid, rows_b, start, kind, src=None):
+        """Append a chunk (rows_b bool[B]: which rows take part); positions start at `start`.
+
+        ids [B, C], or [n, C] for the taking-part rows only: with `src` int[B] (prefill) the n rows
+        make a fresh cache and row b copies row src[b]; without it the n rows are those of
+        `rows_b` (in order), padded to a row bucket, and only they run through the model.
+        """
         cfg = self.model.cfg
         t0 = time.perf_counter()
         self._ensure_room(ids.shape[1])
+        b = len(self.rows)
+        sel = None
+        if src is None and ids.shape[0] == b:
+            sel = self._subset(rows_b)
+            if sel is not None:  # placeholders keep their row-major order: taking-part rows come first, in order
+                ids, mask, start = ids[sel], mask[sel], start[sel]
         pos, next_pos = rope.mrope_positions(
             ids,
             mask,
@@ -381,16 +416,26 @@ class RolloutEngine:
             feats = jax.block_until_ready(encode_vision(self.model, vis))
             self.stats.vision_s += time.perf_counter() - tv
             t0 += time.perf_counter() - tv
-        logits, self.cache = extend_arrays(self.model, self.cache, ids, mask, pos, feats, last_only=True)
-        if self.logits is None:
-            self.logits = logits
+        if src is not None:  # prefill once per prompt, then share the rows
+            small = self.model.init_cache(ids.shape[0], self.cache.max_len, self.cache.k[0].dtype)
+            logits, small = extend_arrays(self.model, small, ids, mask, pos, feats, last_only=True)
+            self.cache, self.logits = broadcast_rows(small, logits, jnp.asarray(src), jnp.asarray(rows_b))
+            rows_next = [(i, next_pos[src[i]]) for i in range(b) if rows_b[i]]
+        elif sel is not None:
+            sub = take_rows(self.cache, jnp.asarray(sel))
+            logits, sub = extend_arrays(self.model, sub, ids, mask, pos, feats, last_only=True)
+            self.cache = put_rows(self.cache, sub, jnp.asarray(sel))
+            on_n = rows_b[sel]
+            self.logits = scatter_logits(self.logits, logits, jnp.asarray(sel), jnp.asarray(on_n))
+            rows_next = [(int(i), next_pos[j]) for j, i in enumerate(sel) if on_n[j]]
         else:
-            self.logits = _merge_rows(jnp.asarray(rows_b), logits, self.logits)
+            logits, self.cache = extend_arrays(self.model, self.cache, ids, mask, pos, feats, last_only=True)
+            self.logits = logits if self.logits is None else _merge_rows(jnp.asarray(rows_b), logits, self.logits)
+            rows_next = [(i, next_pos[i]) for i in range(b) if rows_b[i]]
         jax.block_until_ready(self.logits)
         self.index += ids.shape[1]
-        for r, nxt, on in zip(self.rows, next_pos, rows_b, strict=True):
-            if on:
-                r.next_pos = int(nxt)
+        for i, nxt in rows_next:
+            self.rows[i].next_pos = int(nxt)
         dt = time.perf_counter() - t0
         if kind == "prefill":
             self.stats.prefill_s += dt
@@ -450,9 +495,20 @@ class RolloutEngine:
             f = r.forced[:n]
             forced[i, : len(f)] = f
         t0 = time.perf_counter()
-        out, self.cache, self.logits = self.sampler.decode_chunk(
-            self.cache, self.logits, active, limit, hist, forced, uid, count
-        )
+        sel = self._subset(active)
+        if sel is None:
+            out, self.cache, self.logits = self.sampler.decode_chunk(
+                self.cache, self.logits, active, limit, hist, forced, uid, count, start=self.index
+            )
+        else:  # only the decoding rows (in a row bucket) run; rows in the sandbox or done sit out
+            jsel = jnp.asarray(sel)
+            sub, sub_logits = take_rows(self.cache, jsel), self.logits[jsel]
+            out, sub, sub_logits = self.sampler.decode_chunk(
+                sub, sub_logits, active[sel], limit[sel], hist[sel], forced[sel], uid[sel], count[sel], start=self.index
+            )
+            self.cache = put_rows(self.cache, sub, jsel)
+            self.logits = scatter_logits(self.logits, sub_logits, jsel, jnp.asarray(active[sel]))
+            out = out.expand(sel, b)
         self.stats.decode_s += time.perf_counter() - t0
         self.stats.decode_steps += out.steps
         self.stats.decode_chunks += 1

@@ -313,6 +313,17 @@ class ChunkOut:
     steps: int  # steps run (< N when every row stopped early)
     start: int  # cache slot of step 0
 
+    def expand(self, rows_n: np.ndarray, batch: int) -> ChunkOut:
+        """The chunk of a row subset (rows_n int[n] of a batch of `batch`) as a whole-batch chunk."""
+
+        def put(x):
+            full = np.zeros((batch, *x.shape[1:]), x.dtype)
+            full[rows_n] = x
+            return full
+
+        return ChunkOut(put(self.tokens), put(self.logprobs), put(self.emitted), put(self.stopped), put(self.active),
+                        put(self.limit), self.steps, self.start)
+
 
 class Sampler:
     """Holds the split model, the stop table on device and the sampling settings."""
@@ -328,12 +339,14 @@ class Sampler:
         self._tables = tuple(jnp.asarray(a) for a in (stops.tail, stops.head_col, stops.head_ok, stops.has_head))
         self._key = jax.random.key(cfg.seed)
 
-    def decode_chunk(self, cache: KVCache, logits, active, limit, hist, forced, uid, count, rows: RowSampling | None = None):
+    def decode_chunk(self, cache: KVCache, logits, active, limit, hist, forced, uid, count, start: int | None = None,
+                     rows: RowSampling | None = None):
         """Runs up to `steps` steps; host inputs are numpy [B] / [B, K+1] / [B, N]. Returns (ChunkOut, cache, logits).
 
+        start: the cache's write index when the caller tracks it on the host (saves a device sync).
         `rows`: per-row temperature, top-p and greedy flags instead of the config's (one compile for
         all-greedy batches, one for mixed ones); top-k stays the config's."""
-        start = int(cache.index)
+        start = int(cache.index) if start is None else start
         cfg = self.cfg
         temperature, top_p, use_top_p, greedy, row_greedy = (
             jnp.float32(cfg.temperature), jnp.float32(cfg.top_p), cfg.top_p < 1.0, cfg.greedy, None)

@@ -25,8 +25,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from codedance_jax.rl.grpo_loss import GRPOLossConfig, grpo_loss
-from codedance_jax.train.logprobs import output_weight, token_logprobs
-from codedance_jax.train.sft import hidden_states, split_micro
+from codedance_jax.train.sft import split_micro, target_logprobs
 from codedance_jax.train.state import ModelDef, TrainState
 
 GRPO_FIELDS = ("old_logprobs", "ref_logprobs", "turn_ids", "a_seq", "a_turn")
@@ -34,9 +33,7 @@ GRPO_FIELDS = ("old_logprobs", "ref_logprobs", "turn_ids", "a_seq", "a_turn")
 
 def policy_logprobs(params, batch, mdef: ModelDef, *, temperature: float = 1.0, chunk: int = 512, with_entropy=False):
     """Log-probs of `targets` under `params` (log-softmax of logits / temperature, as sampled)."""
-    model, h = hidden_states(mdef, params, batch)
-    return token_logprobs(h, output_weight(model), batch["targets"], temperature=temperature, chunk=chunk,
-                          with_entropy=with_entropy)
+    return target_logprobs(mdef, params, batch, temperature=temperature, chunk=chunk, with_entropy=with_entropy)
 
 
 def global_denom(batch, cfg: GRPOLossConfig):
@@ -50,6 +47,8 @@ def grpo_train_step(state: TrainState, batch: dict, rng, *, mdef: ModelDef, tx, 
                     accum_steps: int = 1, temperature: float = 1.0, chunk: int = 512):
     del rng
     denom = global_denom(batch, loss_cfg)
+    if accum_steps > 1:  # pack_src indexes the whole batch; micro-batches run unpacked
+        batch = {k: v for k, v in batch.items() if k != "pack_src"}
 
     def loss_fn(params, mb):
         lp, ent = policy_logprobs(params, mb, mdef, temperature=temperature, chunk=chunk, with_entropy=True)

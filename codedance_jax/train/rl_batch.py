@@ -24,6 +24,7 @@ import numpy as np
 from codedance_jax.model.config import ModelConfig
 from codedance_jax.model.rope import mrope_positions
 from codedance_jax.train.batching import Bucket, Example, choose_bucket, collate, num_windows
+from codedance_jax.train.packing import pack_plan
 
 
 def trajectory_example(traj, processor, cfg: ModelConfig, buckets: Sequence[Bucket]) -> Example:
@@ -44,9 +45,14 @@ def trajectory_example(traj, processor, cfg: ModelConfig, buckets: Sequence[Buck
 
 
 def grpo_batch(trajs, processor, cfg: ModelConfig, buckets: Sequence[Bucket], a_seq: np.ndarray,
-               a_turn: np.ndarray, *, bucket: Bucket | None = None, examples=None) -> dict[str, np.ndarray]:
+               a_turn: np.ndarray, *, bucket: Bucket | None = None, examples=None, pack: bool | None = None
+               ) -> dict[str, np.ndarray]:
     """The GRPO batch of `trajs` (row order kept). A trajectory that fits no bucket is an error
-    naming the sizes (raise the buckets or lower the rollout budgets: they must agree)."""
+    naming the sizes (raise the buckets or lower the rollout budgets: they must agree).
+
+    pack: add `pack_src` (`train.packing`) when the rows fit in half the slots or fewer, so the
+    log-prob recompute and the update run the decoder over the packed rows (default: on with one
+    process; the packed stream is not cut per host)."""
     exs = examples if examples is not None else [trajectory_example(t, processor, cfg, buckets) for t in trajs]
     bad = [e for e in exs if e.bucket is None]
     if bad:
@@ -70,6 +76,19 @@ def grpo_batch(trajs, processor, cfg: ModelConfig, buckets: Sequence[Bucket], a_
     batch["turn_ids"] = tid
     batch["a_seq"] = np.asarray(a_seq, np.float32)
     batch["a_turn"] = np.asarray(a_turn, np.float32)
+    import jax
+
+    if jax.process_count() == 1 and not any(len(e.grid_thw) for e in exs):
+        # Text only: without pixel_values the forward skips the vision tower (it would encode the
+        # padding of the bucket: 3x the decoder's time at Tunix's sizes). The plan fields stay, for
+        # the loop's metrics. One process only: hosts must agree on the batch's fields.
+        batch.pop("pixel_values")
+    if pack is None:
+        pack = jax.process_count() == 1
+    if pack:
+        src = pack_plan(batch["attention_mask"])
+        if src is not None:
+            batch["pack_src"] = src
     return batch
 
 
@@ -83,6 +102,6 @@ def pad_rows(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
         axis = 1 if k == "positions" else 0
         width = [(0, 0)] * v.ndim
         width[axis] = (0, rows - b)
-        fill = -1 if k in ("turn_ids", "unit_src", "image_id") else 0
+        fill = -1 if k in ("turn_ids", "unit_src", "image_id", "pack_src") else 0
         out[k] = np.pad(v, width, constant_values=fill)
     return out

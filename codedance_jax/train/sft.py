@@ -16,11 +16,13 @@ from jax.sharding import NamedSharding
 
 from codedance_jax import sharding as shd
 from codedance_jax.model.qwen25vl import VisionInputs
+from codedance_jax.train import packing
 from codedance_jax.train.logprobs import output_weight, token_logprobs
 from codedance_jax.train.state import ModelDef, TrainState
 
 VISION_KEYS = ("pixel_values", "unit_src", "pos_hw", "image_id", "out_index")
-BATCH_FIELDS = ("input_ids", "attention_mask", "targets", "loss_mask", "positions", *VISION_KEYS)
+# pack_src (optional): the packed layout of `train.packing` (GRPO batches).
+BATCH_FIELDS = ("input_ids", "attention_mask", "targets", "loss_mask", "positions", *VISION_KEYS, "pack_src")
 # Logical axes of each batch field; `positions` carries the batch on its second axis.
 BATCH_AXES = {"positions": (None, "batch", None)}
 
@@ -45,10 +47,25 @@ def hidden_states(mdef: ModelDef, params, batch):
     return model, h
 
 
+def target_logprobs(mdef: ModelDef, params, batch, *, temperature: float = 1.0, chunk: int = 512,
+                    with_entropy: bool = False):
+    """Log-probs of `targets` [B, T] (and entropies); with `pack_src` in the batch the decoder and
+    the output layer run over the packed rows only (`train.packing`), the result is unpacked."""
+    if "pack_src" not in batch:
+        model, h = hidden_states(mdef, params, batch)
+        return token_logprobs(h, output_weight(model), batch["targets"], temperature=temperature, chunk=chunk,
+                              with_entropy=with_entropy)
+    model = mdef.model(params)
+    h, src = model.forward_packed(batch["input_ids"], batch["positions"], batch["pack_src"], vision_inputs(batch))
+    out = token_logprobs(h, output_weight(model), packing.gather_packed(batch["targets"], src),
+                         temperature=temperature, chunk=chunk, with_entropy=with_entropy)
+    shape = batch["targets"].shape
+    return tuple(packing.unpack(x, src, shape) for x in out) if with_entropy else packing.unpack(out, src, shape)
+
+
 def sft_loss_sums(params, batch, mdef: ModelDef, chunk: int = 512):
     """(sum of token NLL over loss_mask, number of loss tokens)."""
-    model, h = hidden_states(mdef, params, batch)
-    lp = token_logprobs(h, output_weight(model), batch["targets"], chunk=chunk)
+    lp = target_logprobs(mdef, params, batch, chunk=chunk)
     mask = batch["loss_mask"].astype(jnp.float32)
     return -(lp * mask).sum(), mask.sum()
 

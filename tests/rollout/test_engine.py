@@ -229,3 +229,26 @@ def test_batched_appends_keep_trajectories_and_save_calls(model, processor):
     np.testing.assert_allclose(np.concatenate([t.logprobs for t in a]), np.concatenate([t.logprobs for t in b]),
                                atol=1e-5)
     assert sb.appends <= sa.appends and sb.appends >= 1
+
+
+def test_shared_prefill_and_row_subsets_keep_trajectories(model, processor):
+    """Each prompt is prefilled once for its group, and appends / decode chunks run only the rows
+    taking part (row buckets of batch_multiple x 2^k): the trajectories are those of whole-batch calls."""
+    prompts = make_prompts(processor, 3, seed=11)
+
+    def script(r, m):  # rows 0, 3, 6, ...: code with an image, then answer; others answer / sample
+        if r % 3 == 0:
+            return CODE_IMG if m == 0 else ANSWER
+        return ANSWER if r % 3 == 1 else None
+
+    out = {}
+    for mult in (4, 16):  # 12 rows: buckets 4, 8, 12 (subsets) vs one bucket of 16 (whole batch)
+        eng = RolloutEngine(model, processor, small_config(batch_multiple=mult), SamplingConfig(greedy=True))
+        out[mult] = eng.rollout(prompts, 4, FakePool(0.01), script=script)
+    (a, sa), (b, sb) = out[4], out[16]
+    assert [t.tokens for t in a] == [t.tokens for t in b]
+    np.testing.assert_allclose(np.concatenate([t.logprobs for t in a]), np.concatenate([t.logprobs for t in b]),
+                               atol=1e-5)
+    assert a[0].turn_status[0] == "ok" and a[0].image_grid_thw == b[0].image_grid_thw and len(a[0].images) == 2
+    assert sa.executions == sb.executions == 4
+    assert_logprobs_match(model, processor, a)

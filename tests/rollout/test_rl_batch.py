@@ -57,3 +57,22 @@ def test_grpo_batch_from_trajectories(model, processor):
     padded = rl_batch.pad_rows(batch, 8)
     assert padded["input_ids"].shape[0] == 8 and padded["loss_mask"][4:].sum() == 0
     assert (padded["turn_ids"][4:] == -1).all() and padded["positions"].shape[1] == 8
+
+
+def test_text_only_batch_skips_the_vision_tower_and_keeps_logprobs(model, processor):
+    engine = RolloutEngine(model, processor, small_config(max_turn_tokens=24), SamplingConfig(temperature=1.0, seed=5))
+    prompts = [rl_prompt(processor, f"t{i}", f"Say a number ({i})", []) for i in range(2)]
+    trajs, _ = engine.rollout(prompts, 2, None)
+    z = np.zeros(4, np.float32)
+    batch = rl_batch.grpo_batch(trajs, processor, model.cfg, check_buckets([(256, 64, 16)]), z,
+                                np.zeros((4, engine.cfg.max_turns), np.float32))
+    assert "pixel_values" not in batch and "unit_src" in batch
+    mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    mdef, _ = st.abstract_params(model.cfg)
+    _, params, _ = nnx.split(model, nnx.Param, ...)
+    fields = {k: v for k, v in batch.items() if k in sft.BATCH_FIELDS}
+    psh = jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), params)
+    lp = np.asarray(grpo.make_logprob_fn(mdef, psh, sft.batch_shardings(fields, mesh), mesh, chunk=64)(params, fields))
+    m = batch["loss_mask"] > 0
+    assert m.sum() > 10
+    np.testing.assert_allclose(lp[m], batch["old_logprobs"][m], atol=2e-4)

@@ -1,0 +1,69 @@
+"""Packing a right-padded batch into fewer rows for the train-side forward (host plan + device unpack).
+
+GRPO batches are padded to the largest bucket among their trajectories: one 400-token trajectory
+makes 63 others of ~120 tokens cost 448 each in attention, MLP and the output layer. `pack_plan`
+puts whole rows into bins of T slots (first fit, longest first) and writes `pack_src` int32[B, K]
+(the flat source index b * T + t of each packed slot, -1 empty; the packed stream is cut into
+ceil(B K / T) rows of T), K a fraction of the row length so that shapes stay bucketed
+(PACK_SIXTEENTHS). `Qwen25VL.forward_packed` runs the decoder on the packed rows with a segment
+mask and each token's own positions; `unpack` scatters per-slot values back to [B, T].
+
+The field has the batch as its leading axis, so it shards and pads (`rl_batch.pad_rows`, -1) like
+the others. It is built per process: with several processes the stream would be cut across hosts,
+so `pack_plan` is only used with one (see `rl_batch.grpo_batch`).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+# K = T * n / 16 for the first n whose packed rows hold the batch: a few shapes per bucket (each one
+# compiles the log-prob and update steps once), fine enough that a batch needs at most ~1.5x its rows.
+PACK_SIXTEENTHS = (2, 3, 4, 6, 8)
+
+
+def pack_plan(attention_mask_bt: np.ndarray) -> np.ndarray | None:
+    """pack_src int32[B, K] for a right-padded batch, or None when packing would not save a factor 2."""
+    b, t = attention_mask_bt.shape
+    lengths = attention_mask_bt.astype(bool).sum(axis=1)
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for row in np.argsort(-lengths, kind="stable"):
+        n = int(lengths[row])
+        if n == 0:
+            continue
+        for j, free in enumerate(room):
+            if free >= n:
+                bins[j].append(row)
+                room[j] -= n
+                break
+        else:
+            bins.append([row])
+            room.append(t - n)
+    for n16 in PACK_SIXTEENTHS:
+        k = t * n16 // 16
+        if k == 0 or len(bins) * t > b * k:
+            continue
+        stream = np.full(b * k, -1, np.int32)
+        for j, rows in enumerate(bins):
+            pos = j * t
+            for row in rows:
+                n = int(lengths[row])
+                stream[pos : pos + n] = row * t + np.arange(n)
+                pos += n
+        return stream.reshape(b, k)
+    return None
+
+
+def gather_packed(x_bt, src_rt):
+    """Values x[B, T] at the packed slots (0 where empty): [R, T]."""
+    b, t = x_bt.shape
+    return jnp.where(src_rt >= 0, x_bt.reshape(b * t)[jnp.maximum(src_rt, 0)], 0).astype(x_bt.dtype)
+
+
+def unpack(x_rt, src_rt, shape_bt):
+    """Per-slot values [R, T] back to the unpacked [B, T] layout (0 where no slot maps)."""
+    b, t = shape_bt
+    idx = jnp.where(src_rt >= 0, src_rt, b * t).reshape(-1)
+    return jnp.zeros((b * t,), x_rt.dtype).at[idx].set(x_rt.reshape(-1), mode="drop").reshape(b, t)
