@@ -35,7 +35,8 @@ def evaluate(config, workdir: str) -> dict:
         f.write(config.to_json(indent=2))
     items = load_benchmark(config.benchmark, config.data_path, limit=config.limit or None)
     mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
-    model, processor = codedance_jax.from_pretrained(config.checkpoint, dtype=config.dtype, mesh=mesh)
+    model, processor = codedance_jax.from_pretrained(config.checkpoint, dtype=config.dtype, mesh=mesh,
+                                                     sharding_tolerance=config.sharding_tolerance)
     judge = Judge(config.judge.url, config.judge.model, config.judge.api_key_env) if config.judge.enabled else None
     with contextlib.ExitStack() as stack:
         pool = None

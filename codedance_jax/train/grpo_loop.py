@@ -119,7 +119,7 @@ def load_params(config, mesh, rules):
     import codedance_jax
 
     model, _ = codedance_jax.from_pretrained(config.init_from, dtype=config.param_dtype, mesh=mesh, rules=rules,
-                                             processor=False)
+                                             processor=False, sharding_tolerance=config.sharding_tolerance)
     _, params, _ = nnx.split(model, nnx.Param, ...)
     return params
 
@@ -223,7 +223,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
     rb_cfg, loss_cfg = rbat_config(config.rbat), loss_config(config.loss)
     tx, sched = optim.make_optimizer(config.optim, config.total_steps)
     mdef, state, state_sh = st.create_train_state(cfg, tx, mesh, seed=config.seed, rules=rules,
-                                                  params=load_params(config, mesh, rules))
+                                                  params=load_params(config, mesh, rules),
+                                                  sharding_tolerance=config.sharding_tolerance)
     ref_params = None
     if loss_cfg.kl_coef > 0:  # the frozen reference is the initial policy
         ref_params = jax.tree.map(lambda x: x.copy(), state.params)
@@ -367,7 +368,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
             if skey not in steps:
                 steps[skey] = grpo.make_grpo_step(mdef, tx, sched, loss_cfg, state_sh, bsh, mesh,
                                                   accum_steps=config.grad_accum, temperature=config.rollout.temperature)
-            state, m = steps[skey](state, gb, jax.random.key(step))
+            rng = jax.random.key(step)
+            with jax.transfer_guard("disallow"):  # inputs are placed above: any other host<->device copy is a bug
+                state, m = steps[skey](state, gb, rng)
             m = {k: float(v) for k, v in jax.device_get(m).items()}
             t_update = time.perf_counter() - t0
             # 8. metrics, trajectories, checkpoint, eval

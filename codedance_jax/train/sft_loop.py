@@ -122,11 +122,13 @@ def train_and_evaluate(config, workdir: str) -> dict:
     if config.init_from:
         import codedance_jax
 
-        model, _ = codedance_jax.from_pretrained(config.init_from, dtype=config.param_dtype, mesh=mesh, rules=rules, processor=False)
+        model, _ = codedance_jax.from_pretrained(config.init_from, dtype=config.param_dtype, mesh=mesh, rules=rules,
+                                                 processor=False, sharding_tolerance=config.sharding_tolerance)
         from flax import nnx
 
         _, params, _ = nnx.split(model, nnx.Param, ...)
-    mdef, state, state_sh = st.create_train_state(cfg, tx, mesh, seed=config.seed, rules=rules, params=params)
+    mdef, state, state_sh = st.create_train_state(cfg, tx, mesh, seed=config.seed, rules=rules, params=params,
+                                                  sharding_tolerance=config.sharding_tolerance)
     prepare_files(config, workdir)
     from codedance_jax.processing import Processor
 
@@ -156,7 +158,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
         key = tuple((k, v.shape) for k, v in sorted(local.items()) if k in bsh)
         if key not in steps:
             steps[key] = sft.make_train_step(mdef, tx, sched, state_sh, bsh, mesh, accum_steps=config.grad_accum)
-        state, m = steps[key](state, global_batch(local, bsh), jax.random.key(0))
+        gb, rng = global_batch(local, bsh), jax.random.key(0)
+        with jax.transfer_guard("disallow"):  # inputs are placed above: any other host<->device copy is a bug
+            state, m = steps[key](state, gb, rng)
         if (step + 1) % config.log_every == 0 or step + 1 == config.total_steps:
             m = jax.device_get(m)
             dt = (time.time() - t_last) / config.log_every
