@@ -45,7 +45,12 @@ def test_one_update_moves_logprobs_with_the_advantage_sign():
     b["old_logprobs"] = old * b["loss_mask"]
     bsh = sft.batch_shardings(b, mesh)
     step = grpo.make_grpo_step(mdef, tx, sched, GRPOLossConfig(), sh, bsh, mesh)
-    state, m = step(state, b, jax.random.key(0))
+    gb, rng = {k: jax.device_put(v, bsh[k]) for k, v in b.items()}, jax.random.key(0)
+    with jax.transfer_guard("disallow"):
+        with pytest.raises(Exception, match="Disallowed host-to-device transfer"):
+            step(state, b, rng)  # the guard is live: a numpy batch is a host->device copy (state is not consumed)
+        state, m = step(state, gb, rng)
+    m = jax.device_get(m)
     new = np.asarray(lp_fn(state.params, {k: v for k, v in b.items() if k != 'old_logprobs'}))
     mask = b["loss_mask"] > 0
     delta = (new - old)
@@ -68,7 +73,10 @@ def test_grpo_step_is_invariant_to_micro_batches_and_mesh(mesh_shape, accum):
         b["a_turn"] = rng.standard_normal((8, M)).astype(np.float32)
         bsh = sft.batch_shardings(b, mesh)
         step = grpo.make_grpo_step(mdef, tx, sched, GRPOLossConfig(), sh, bsh, mesh, accum_steps=acc)
-        state, m = step(state, {k: jax.device_put(v, bsh[k]) for k, v in b.items()}, jax.random.key(0))
+        gb, rng = {k: jax.device_put(v, bsh[k]) for k, v in b.items()}, jax.random.key(0)
+        with jax.transfer_guard("disallow"):
+            state, m = step(state, gb, rng)
+        m = jax.device_get(m)
         results.append((float(m["loss"]), jax.device_get(state.params), float(m["clip_frac"])))
     (l0, p0, c0), (l1, p1, c1) = results
     np.testing.assert_allclose(l1, l0, rtol=1e-5)

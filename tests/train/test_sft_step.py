@@ -28,10 +28,12 @@ def _run(cfg, batches, mesh_shape, accum=1, steps=None, lr=1e-3):
     bsh = sft.batch_shardings(batches[0], mesh)
     step = sft.make_train_step(mdef, tx, sched, sh, bsh, mesh, accum_steps=accum)
     losses = []
+    rng = jax.random.key(0)
     for i in range(steps or len(batches)):
-        b = batches[i % len(batches)]
-        state, m = step(state, {k: jax.device_put(v, bsh[k]) for k, v in b.items()}, jax.random.key(0))
-        losses.append(float(m["loss"]))
+        b = {k: jax.device_put(v, bsh[k]) for k, v in batches[i % len(batches)].items()}
+        with jax.transfer_guard("disallow"):  # a hidden host<->device copy in the step fails here
+            state, m = step(state, b, rng)
+        losses.append(float(jax.device_get(m["loss"])))
     return np.array(losses), jax.device_get(state.params)
 
 
