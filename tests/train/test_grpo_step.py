@@ -5,10 +5,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from model_helpers import train_batch
+from model_helpers import tiny_small_vocab, train_batch
 
 from codedance_jax import sharding as shd
-from codedance_jax.model import ModelConfig
 from codedance_jax.rl.grpo_loss import GRPOLossConfig
 from codedance_jax.train import grpo, optim, sft
 from codedance_jax.train import state as st
@@ -17,7 +16,7 @@ M = 3
 
 
 def _setup(mesh_shape, lr=1e-3):
-    cfg = ModelConfig.tiny()
+    cfg = tiny_small_vocab()
     oc = ml_collections.ConfigDict(dict(lr=lr, warmup_ratio=0.0, weight_decay=0.0, b1=0.9, b2=0.95, eps=1e-8,
                                         clip_norm=0.0, schedule="constant"))
     tx, sched = optim.make_optimizer(oc, 10)
