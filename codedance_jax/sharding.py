@@ -4,15 +4,32 @@ Model code only names logical axes (`embed`, `mlp`, `q_heads`, ...). This table 
 they go on a mesh with axes `data`, `fsdp`, `tensor` (any of which may have size 1). The mesh is
 built with `AxisType.Explicit`-free defaults (`Auto`), so XLA's sharding propagation fills in
 intermediate activations while parameters and inputs carry the shardings given here.
+
+A parameter dimension that a mesh axis does not divide cannot be sharded over it. `param_shardings`
+then replicates that dimension, counts what it replicated, and raises `ShardingError` (naming each
+parameter, dimension and mesh axis) when those parameters hold more than `tolerance` of all
+parameter elements (MaxText's `sharding_tolerance`). Below the tolerance it logs a warning: a few
+small odd-shaped tensors (biases of 2 KV heads on a 4-way tensor axis) are fine to replicate; a 7B
+model whose attention falls back to replication on every device is a mesh mistake.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from codedance_jax.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# Largest fraction of parameter elements that may sit in parameters with a replicated fallback
+# dimension (as MaxText's default `sharding_tolerance`).
+DEFAULT_SHARDING_TOLERANCE = 0.02
 
 # (logical axis, mesh axis or tuple of mesh axes or None). First match wins.
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
@@ -71,16 +88,105 @@ def logical_to_spec(axes, rules=None, mesh: jax.sharding.Mesh | None = None) -> 
 
 
 def named_sharding(mesh, axes, rules=None, shape=None) -> NamedSharding:
-    """NamedSharding for logical `axes`; with `shape`, axes that do not divide it are dropped."""
+    """NamedSharding for logical `axes`; with `shape`, axes that do not divide it are dropped.
+
+    One array, no check: parameters go through `param_shardings`, which counts the drops.
+    """
     spec = logical_to_spec(axes, rules, mesh)
     return NamedSharding(mesh, spec if shape is None else fit_spec(spec, shape, mesh))
 
 
-def fit_spec(spec: PartitionSpec, shape, mesh) -> PartitionSpec:
-    """Drops mesh axes that do not divide a dimension (tiny test models on 8 devices)."""
+@dataclasses.dataclass(frozen=True)
+class DroppedAxis:
+    """One dimension left replicated because its mesh axes do not divide it."""
+
+    param: str  # "layers/0/attn/k_kernel"
+    shape: tuple[int, ...]
+    dim: int
+    logical: str | None  # the dimension's logical name
+    mesh_axes: tuple[str, ...]
+    mesh_size: int  # product of mesh_axes' sizes
+
+    def __str__(self):
+        return (f"{self.param} {self.shape} dim {self.dim} ({self.logical}={self.shape[self.dim]}) "
+                f"not divisible by mesh axis {'*'.join(self.mesh_axes)}={self.mesh_size}")
+
+
+class ShardingError(ConfigError):
+    """The mesh cannot shard the parameters as the rules ask (past the tolerance)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingReport:
+    """What `param_shardings` had to replicate; `fraction` is by parameter elements."""
+
+    dropped: tuple[DroppedAxis, ...]
+    params: int  # parameters (tensors)
+    elements: int  # parameter elements in all
+    dropped_params: int  # tensors with at least one replicated fallback dimension
+    dropped_elements: int  # their elements
+
+    @property
+    def fraction(self) -> float:
+        return self.dropped_elements / max(self.elements, 1)
+
+    def summary(self, limit: int = 5) -> str:
+        head = "; ".join(str(d) for d in self.dropped[:limit])
+        more = f"; ... {len(self.dropped) - limit} more" if len(self.dropped) > limit else ""
+        return (f"{self.dropped_params} of {self.params} parameters ({self.dropped_elements:,} of {self.elements:,} "
+                f"elements, {self.fraction:.2%}) keep a dimension unsharded: {head}{more}")
+
+
+def dropped_dims(spec: PartitionSpec, shape, mesh) -> list[tuple[int, tuple[str, ...], int]]:
+    """(dim, mesh axes, their size) for each dimension of `shape` that `spec`'s axes do not divide."""
     out = []
-    for dim, s in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)), strict=True):
+    for dim, (n, s) in enumerate(zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)), strict=True)):
         axes = () if s is None else ((s,) if isinstance(s, str) else tuple(s))
         size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-        out.append(s if dim % size == 0 else None)
-    return PartitionSpec(*out)
+        if n % size:
+            out.append((dim, axes, size))
+    return out
+
+
+def fit_spec(spec: PartitionSpec, shape, mesh) -> PartitionSpec:
+    """`spec` with the mesh axes of non-dividing dimensions removed (that dimension replicated)."""
+    drop = {d for d, _, _ in dropped_dims(spec, shape, mesh)}
+    padded = tuple(spec) + (None,) * (len(shape) - len(spec))
+    return PartitionSpec(*(None if i in drop else s for i, s in enumerate(padded)))
+
+
+def param_shardings(state, mesh, rules=None, *, tolerance: float = DEFAULT_SHARDING_TOLERANCE):
+    """NamedSharding per `nnx.Variable` of `state` (abstract or real) from its logical axes.
+
+    Returns (the same tree with each Variable replaced by its NamedSharding, ShardingReport).
+    Raises ShardingError when the parameters that keep a dimension unsharded hold more than
+    `tolerance` of the elements; 0 allows none, 1 allows all.
+    """
+    dropped: list[DroppedAxis] = []
+    counts = {"params": 0, "elements": 0, "dropped_params": 0, "dropped_elements": 0}
+
+    def one(path, var):
+        axes = var.get_metadata().get("out_sharding")
+        spec = logical_to_spec(axes, rules, mesh)
+        bad = dropped_dims(spec, var.shape, mesh)
+        n = int(np.prod(var.shape))
+        counts["params"] += 1
+        counts["elements"] += n
+        if bad:
+            name = "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+            counts["dropped_params"] += 1
+            counts["dropped_elements"] += n
+            dropped.extend(DroppedAxis(name, tuple(var.shape), d, (axes or (None,) * len(var.shape))[d], ax, size)
+                           for d, ax, size in bad)
+        return NamedSharding(mesh, fit_spec(spec, var.shape, mesh))
+
+    tree = jax.tree_util.tree_map_with_path(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    report = ShardingReport(tuple(dropped), **counts)
+    if report.fraction > tolerance:
+        raise ShardingError(
+            f"mesh {dict(mesh.shape)} cannot shard the parameters as the rules ask: {report.summary()}. Past the "
+            f"tolerance {tolerance:.2%}: change the mesh (config.mesh.*), the rules (config.sharding_rules) or raise "
+            f"config.sharding_tolerance.")
+    if report.dropped:
+        log.warning("mesh %s: %s (tolerance %.2f%%)", dict(mesh.shape), report.summary(), 100 * tolerance)
+    return tree, report

@@ -23,6 +23,7 @@ def get_config(benchmark: str = "ChartQA") -> ml_collections.ConfigDict:
     c.checkpoint = ""  # Hugging Face Qwen2.5-VL directory or a launch.convert output
     c.dtype = "bfloat16"
     c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))  # parameters sharded over fsdp
+    c.sharding_tolerance = 0.02  # see configs/sft.py
     c.limit = 0  # >0: only the first N items (smoke runs)
     c.batch_size = 16  # prompts per rollout call (the engine pads to rollout.batch_multiple)
     c.max_turns = 10  # SPEC: 10 in evaluation; 0 = text-only answer (no code instructions, no sandbox)

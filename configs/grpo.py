@@ -23,6 +23,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
 
     c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
     c.sharding_rules = ()
+    # Largest fraction of parameter elements allowed to keep a dimension unsharded because the mesh
+    # does not divide it (codedance_jax.sharding.param_shardings raises past it, naming them).
+    c.sharding_tolerance = 0.02
 
     c.prompts_per_step = 256  # global
     c.group_size = 8  # n rollouts per prompt

@@ -23,6 +23,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
     # Logical axis -> mesh axes; empty tuple = codedance_jax.sharding.DEFAULT_RULES.
     c.sharding_rules = ()
+    # Largest fraction of parameter elements allowed to keep a dimension unsharded because the mesh
+    # does not divide it (codedance_jax.sharding.param_shardings raises past it, naming them).
+    c.sharding_tolerance = 0.02
 
     c.batch_size = 128  # global, in trajectories
     c.grad_accum = 8

@@ -51,7 +51,8 @@ def evaluate(config, workdir: str) -> dict:
         os.makedirs(run_dir, exist_ok=True)
     mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor,
                      devices=jax.local_devices() if n_proc > 1 else None)
-    model, processor = codedance_jax.from_pretrained(config.checkpoint, dtype=config.dtype, mesh=mesh)
+    model, processor = codedance_jax.from_pretrained(config.checkpoint, dtype=config.dtype, mesh=mesh,
+                                                     sharding_tolerance=config.sharding_tolerance)
     os.makedirs(workdir, exist_ok=True)  # inputs and checkpoint are good: the run starts writing
     if proc == 0:
         with open(os.path.join(workdir, "config.json"), "w") as f:

@@ -1,10 +1,18 @@
-"""Test setup: an 8-device CPU platform before JAX starts, and the tiny reference model pair."""
+"""Test setup: an 8-device CPU platform and a compilation cache before JAX starts; the tiny reference pair."""
 
 import os
 
 # Must precede the first `import jax` anywhere in the test session.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# A persistent compilation cache for the session, set as environment variables so the launcher
+# subprocesses (test_sft_launch, test_grpo_loop, test_launch_eval) inherit it: the same step
+# compiled by another test, a resumed run or a second process is read back instead of rebuilt.
+# Every entry counts (no minimum compile time or size); the directory is the repo's ignored tmp/.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tmp", "jax_compilation_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest  # noqa: E402
 
@@ -33,3 +41,23 @@ def tiny_pair():
     sd = {canonical_hf_name(k): v.detach().numpy() for k, v in ref.state_dict().items()}
     ours = model_from_tensors(cfg, lambda r: sd[r.hf_name])
     return ref, ours, cfg
+
+
+_CACHE_EVENTS = {"/jax/compilation_cache/compile_requests_use_cache": 0, "/jax/compilation_cache/cache_hits": 0}
+
+
+def pytest_configure(config):
+    import jax
+
+    def count(event, **kwargs):
+        if event in _CACHE_EVENTS:
+            _CACHE_EVENTS[event] += 1
+
+    jax.monitoring.register_event_listener(count)
+
+
+def pytest_terminal_summary(terminalreporter):
+    asked, hits = _CACHE_EVENTS.values()
+    if asked:
+        terminalreporter.write_line(f"JAX compilation cache ({os.environ['JAX_COMPILATION_CACHE_DIR']}): "
+                                    f"{hits} of {asked} compilations read back (this process; subprocesses not counted)")

@@ -52,7 +52,7 @@ def train_batch(rng, cfg, batch: int, seq: int, row_grids, n_units: int = 8, n_w
     from codedance_jax.model.vision import make_plan
 
     q = cfg.vision.merge_unit
-    ids = np.full((batch, seq), 151643, np.int32)
+    ids = np.full((batch, seq), cfg.bos_token_id, np.int32)  # pad (151643 in the Qwen presets)
     mask = np.zeros((batch, seq), np.int32)
     pv = np.zeros((batch, n_units * q, cfg.vision.patch_dim), np.float32)
     plans = []
@@ -70,10 +70,27 @@ def train_batch(rng, cfg, batch: int, seq: int, row_grids, n_units: int = 8, n_w
         plans.append(make_plan(np.zeros((0, 3)) if g is None else g, cfg.vision, num_windows=n_windows, num_units=n_units))
         positions[:, b : b + 1] = mrope_positions(ids[b : b + 1], mask[b : b + 1], g, image_token_id=cfg.image_token_id,
                                                   spatial_merge_size=cfg.vision.spatial_merge_size)[0]
-    targets = np.concatenate([ids[:, 1:], np.full((batch, 1), 151643, np.int32)], axis=1)
+    targets = np.concatenate([ids[:, 1:], np.full((batch, 1), cfg.bos_token_id, np.int32)], axis=1)
     loss_mask = (mask * np.concatenate([mask[:, 1:], np.zeros((batch, 1), np.int32)], axis=1)).astype(np.float32)
     loss_mask *= (rng.random((batch, seq)) < 0.6) & (targets != cfg.image_token_id)
     out = dict(input_ids=ids, attention_mask=mask, targets=targets, loss_mask=loss_mask, positions=positions, pixel_values=pv)
     for f in ("unit_src", "pos_hw", "image_id", "out_index"):
         out[f] = np.stack([getattr(p, f) for p in plans])
     return out
+
+
+def tiny_small_vocab(vocab: int = 32768):
+    """`ModelConfig.tiny()` with a 32k vocabulary, its special tokens at Qwen's offsets from the end.
+
+    For the train-step tests: tiny's 152k x 64 embedding and head are 98% of its weights and most
+    of a step's time, and the steps' properties (mesh/micro-batch invariance, learning) do not
+    depend on the vocabulary size. ln(32768) = 10.4, so a fresh model's loss still starts above 10.
+    """
+    import dataclasses
+
+    from codedance_jax.model import ModelConfig
+
+    base = ModelConfig.tiny()
+    shift = vocab - base.text.vocab_size
+    ids = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "bos_token_id", "eos_token_id")
+    return base.replace(text=dataclasses.replace(base.text, vocab_size=vocab), **{k: getattr(base, k) + shift for k in ids})

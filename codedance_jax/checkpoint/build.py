@@ -40,16 +40,20 @@ def model_from_tensors(
     *,
     mesh: jax.sharding.Mesh | None = None,
     rules_table=None,
+    sharding_tolerance: float = shd.DEFAULT_SHARDING_TOLERANCE,
 ) -> Qwen25VL:
     """`get(rule)` returns the Hugging Face tensor of `rule` (torch layout) as a numpy array."""
     graphdef, state = abstract_model(cfg)
     flat = dict(nnx.to_flat_state(state))
+    # All shardings first, so a mesh that cannot shard the model fails before any tensor is read.
+    shardings = None if mesh is None else dict(nnx.to_flat_state(
+        shd.param_shardings(state, mesh, rules_table, tolerance=sharding_tolerance)[0]))
     dtype = cfg.weight_dtype
     for rule in rules(cfg):
         var = flat.get(rule.path)
         if var is None:  # the table and the module disagree: a bug here, not bad input
             raise KeyError(f"parameter path {rule.path} from the HF table is not in the model")
-        sharding = None if mesh is None else shd.named_sharding(mesh, var.get_metadata().get("out_sharding"), rules_table, rule.shape)
+        sharding = None if shardings is None else shardings[rule.path]
         var.set_value(put(rule.to_ours(get(rule)), dtype, sharding))
         del flat[rule.path]
     missing = [p for p, v in flat.items() if isinstance(v, nnx.Param)]

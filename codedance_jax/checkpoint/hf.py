@@ -15,6 +15,7 @@ import os
 import jax
 import numpy as np
 
+from codedance_jax import sharding as shd
 from codedance_jax.checkpoint import safetensors_io
 from codedance_jax.checkpoint.build import model_from_tensors, params_to_hf
 from codedance_jax.errors import CheckpointError, CheckpointMissingTensorsError
@@ -28,7 +29,8 @@ def is_hf_dir(path) -> bool:
     return os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path))
 
 
-def load_hf_model(path, cfg: ModelConfig | None = None, *, mesh: jax.sharding.Mesh | None = None, rules_table=None) -> Qwen25VL:
+def load_hf_model(path, cfg: ModelConfig | None = None, *, mesh: jax.sharding.Mesh | None = None, rules_table=None,
+                  sharding_tolerance: float = shd.DEFAULT_SHARDING_TOLERANCE) -> Qwen25VL:
     path = os.fspath(path)
     cfg = cfg or ModelConfig.from_hf_config(path)
     src = safetensors_io.SafetensorsDir(path)
@@ -52,7 +54,7 @@ def load_hf_model(path, cfg: ModelConfig | None = None, *, mesh: jax.sharding.Me
             )
         return arr
 
-    return model_from_tensors(cfg, get, mesh=mesh, rules_table=rules_table)
+    return model_from_tensors(cfg, get, mesh=mesh, rules_table=rules_table, sharding_tolerance=sharding_tolerance)
 
 
 def hf_generation_config(cfg: ModelConfig) -> dict:

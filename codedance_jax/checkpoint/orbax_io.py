@@ -46,7 +46,8 @@ def save(model: Qwen25VL, out_dir, processor=None) -> None:
         processor.save_pretrained(out_dir)
 
 
-def load(path, cfg: ModelConfig | None = None, *, mesh: jax.sharding.Mesh | None = None, rules_table=None) -> Qwen25VL:
+def load(path, cfg: ModelConfig | None = None, *, mesh: jax.sharding.Mesh | None = None, rules_table=None,
+         sharding_tolerance: float = shd.DEFAULT_SHARDING_TOLERANCE) -> Qwen25VL:
     path = os.path.abspath(os.fspath(path))
     if not os.path.isfile(os.path.join(path, MARKER)):
         raise MissingPathError(f"{path}: no {MARKER}; not a checkpoint converted by launch.convert")
@@ -59,13 +60,14 @@ def load(path, cfg: ModelConfig | None = None, *, mesh: jax.sharding.Mesh | None
         raise MissingPathError(f"{params_dir}: missing; the converted checkpoint is incomplete (re-run launch.convert).")
     cfg = cfg or ModelConfig.from_hf_config(path).replace(param_dtype=meta.get("param_dtype", "float32"))
     graphdef, state = abstract_model(cfg)
+    single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = (jax.tree.map(lambda _: single, state, is_leaf=lambda x: isinstance(x, nnx.Variable)) if mesh is None
+                 else shd.param_shardings(state, mesh, rules_table, tolerance=sharding_tolerance)[0])
 
-    def target(var):
-        sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None else
-                    shd.named_sharding(mesh, var.get_metadata().get("out_sharding"), rules_table, var.shape))
+    def target(var, sharding):
         return jax.ShapeDtypeStruct(var.shape, cfg.weight_dtype, sharding=sharding)
 
-    abstract = jax.tree.map(target, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    abstract = jax.tree.map(target, state, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
     abstract_pure = nnx.to_pure_dict(nnx.state(nnx.merge(graphdef, abstract), nnx.Param))
     with ocp.StandardCheckpointer() as ckptr:
         try:

@@ -250,7 +250,9 @@ def update(ctx: GRPOContext, run: setup.Run, b: GRPOBatch, step: int) -> Update:
     step_fn = run.steps.get(key, lambda: grpo.make_grpo_step(
         run.mdef, ctx.tx, ctx.sched, ctx.loss, run.state_sh, b.shardings, ctx.mesh,
         accum_steps=ctx.config.grad_accum, temperature=ctx.config.rollout.temperature))
-    state, m = step_fn(run.state, b.arrays, jax.random.key(step))
+    rng = jax.random.key(step)
+    with jax.transfer_guard("disallow"):  # inputs are placed above: any other host<->device copy is a bug
+        state, m = step_fn(run.state, b.arrays, rng)
     m = {k: float(v) for k, v in jax.device_get(m).items()}
     return Update(state, m, time.perf_counter() - t0)
 

@@ -70,7 +70,7 @@ def initial_params(config, mesh, rules):
     import codedance_jax
 
     model, _ = codedance_jax.from_pretrained(config.init_from, dtype=config.param_dtype, mesh=mesh, rules=rules,
-                                             processor=False)
+                                             processor=False, sharding_tolerance=config.sharding_tolerance)
     _, params, _ = nnx.split(model, nnx.Param, ...)
     return params
 
@@ -130,7 +130,8 @@ def open_run(config, workdir: str, cfg: ModelConfig, mesh, rules, tx, *, params=
     checkpoint when there is one; the checkpointer (SIGTERM saves and stops) and the metric writer.
     `keep_initial`: also keep a copy of the parameters as created, before any restore (a frozen
     reference policy)."""
-    mdef, state, state_sh = st.create_train_state(cfg, tx, mesh, seed=config.seed, rules=rules, params=params)
+    mdef, state, state_sh = st.create_train_state(cfg, tx, mesh, seed=config.seed, rules=rules, params=params,
+                                                  sharding_tolerance=config.sharding_tolerance)
     initial = jax.tree.map(lambda x: x.copy(), state.params) if keep_initial else None
     ckpt = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep, every_steps=config.checkpoint.every_steps,
                                       async_save=config.checkpoint.async_save)

@@ -138,7 +138,9 @@ def train_steps(config, run: setup.Run, data_it, cfg: ModelConfig, mesh, rules, 
         bsh = sft.batch_shardings({k: v for k, v in local.items() if k in sft.BATCH_FIELDS}, mesh, rules)
         step_fn = run.steps.get(setup.batch_key(local, bsh), lambda bsh=bsh: sft.make_train_step(
             run.mdef, tx, sched, run.state_sh, bsh, mesh, accum_steps=config.grad_accum))
-        run.state, m = step_fn(run.state, global_batch(local, bsh), jax.random.key(0))
+        gb, rng = global_batch(local, bsh), jax.random.key(0)
+        with jax.transfer_guard("disallow"):  # inputs are placed above: any other host<->device copy is a bug
+            run.state, m = step_fn(run.state, gb, rng)
         if (step + 1) % config.log_every == 0 or step + 1 == config.total_steps:
             m = jax.device_get(m)
             dt = (time.time() - t_last) / config.log_every

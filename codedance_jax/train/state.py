@@ -51,12 +51,9 @@ def abstract_params(cfg: ModelConfig):
     return ModelDef(cfg, graphdef, rest), params
 
 
-def param_shardings(params: nnx.State, mesh, rules=None) -> nnx.State:
-    """NamedSharding per parameter from its logical axis names."""
-    def one(var):
-        return shd.named_sharding(mesh, var.get_metadata().get("out_sharding"), rules, var.shape)
-
-    return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+def param_shardings(params: nnx.State, mesh, rules=None, *, tolerance: float = shd.DEFAULT_SHARDING_TOLERANCE) -> nnx.State:
+    """NamedSharding per parameter from its logical axis names (checked: `shd.param_shardings`)."""
+    return shd.param_shardings(params, mesh, rules, tolerance=tolerance)[0]
 
 
 def state_shardings(abstract_state: TrainState, params_sh, mesh, tx) -> TrainState:
@@ -75,10 +72,15 @@ def _strip(params_sh):
                         is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def create_train_state(cfg: ModelConfig, tx, mesh, *, seed: int = 0, rules=None, params: nnx.State | None = None):
-    """(ModelDef, TrainState, TrainState-of-shardings). Random init unless `params` is given."""
+def create_train_state(cfg: ModelConfig, tx, mesh, *, seed: int = 0, rules=None, params: nnx.State | None = None,
+                       sharding_tolerance: float = shd.DEFAULT_SHARDING_TOLERANCE):
+    """(ModelDef, TrainState, TrainState-of-shardings). Random init unless `params` is given.
+
+    Raises `shd.ShardingError` before allocating anything when the mesh cannot shard the model
+    within `sharding_tolerance`.
+    """
     mdef, abstract = abstract_params(cfg)
-    p_sh = _strip(param_shardings(abstract, mesh, rules))
+    p_sh = _strip(param_shardings(abstract, mesh, rules, tolerance=sharding_tolerance))
 
     def wrap(p):
         rng = jax.random.key_data(jax.random.key(seed + 1))

@@ -5,10 +5,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from model_helpers import train_batch
+from model_helpers import tiny_small_vocab, train_batch
 
 from codedance_jax import sharding as shd
-from codedance_jax.model import ModelConfig
 from codedance_jax.rl.grpo_loss import GRPOLossConfig
 from codedance_jax.train import grpo, optim, sft
 from codedance_jax.train import state as st
@@ -17,7 +16,7 @@ M = 3
 
 
 def _setup(mesh_shape, lr=1e-3):
-    cfg = ModelConfig.tiny()
+    cfg = tiny_small_vocab()
     oc = ml_collections.ConfigDict(dict(lr=lr, warmup_ratio=0.0, weight_decay=0.0, b1=0.9, b2=0.95, eps=1e-8,
                                         clip_norm=0.0, schedule="constant"))
     tx, sched = optim.make_optimizer(oc, 10)
@@ -45,7 +44,12 @@ def test_one_update_moves_logprobs_with_the_advantage_sign():
     b["old_logprobs"] = old * b["loss_mask"]
     bsh = sft.batch_shardings(b, mesh)
     step = grpo.make_grpo_step(mdef, tx, sched, GRPOLossConfig(), sh, bsh, mesh)
-    state, m = step(state, b, jax.random.key(0))
+    gb, rng = {k: jax.device_put(v, bsh[k]) for k, v in b.items()}, jax.random.key(0)
+    with jax.transfer_guard("disallow"):
+        with pytest.raises(Exception, match="Disallowed host-to-device transfer"):
+            step(state, b, rng)  # the guard is live: a numpy batch is a host->device copy (state is not consumed)
+        state, m = step(state, gb, rng)
+    m = jax.device_get(m)
     new = np.asarray(lp_fn(state.params, {k: v for k, v in b.items() if k != 'old_logprobs'}))
     mask = b["loss_mask"] > 0
     delta = (new - old)
@@ -68,7 +72,10 @@ def test_grpo_step_is_invariant_to_micro_batches_and_mesh(mesh_shape, accum):
         b["a_turn"] = rng.standard_normal((8, M)).astype(np.float32)
         bsh = sft.batch_shardings(b, mesh)
         step = grpo.make_grpo_step(mdef, tx, sched, GRPOLossConfig(), sh, bsh, mesh, accum_steps=acc)
-        state, m = step(state, {k: jax.device_put(v, bsh[k]) for k, v in b.items()}, jax.random.key(0))
+        gb, rng = {k: jax.device_put(v, bsh[k]) for k, v in b.items()}, jax.random.key(0)
+        with jax.transfer_guard("disallow"):
+            state, m = step(state, gb, rng)
+        m = jax.device_get(m)
         results.append((float(m["loss"]), jax.device_get(state.params), float(m["clip_frac"])))
     (l0, p0, c0), (l1, p1, c1) = results
     np.testing.assert_allclose(l1, l0, rtol=1e-5)
