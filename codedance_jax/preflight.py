@@ -14,6 +14,7 @@ a network.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import re
 
@@ -28,15 +29,16 @@ class Chip:
     name: str
     hbm_bytes: int
     peak_bf16_flops: float  # dense bf16 matmul peak per chip (public spec sheets)
+    hbm_bytes_per_s: float  # HBM bandwidth per chip (spec sheets), for the roofline fallback
     cores_per_chip: int  # TensorCores per chip: accelerator type names count cores (v5p-128 = 64 chips)
 
 
 # HBM as libtpu reports it to jax (memory_stats()['bytes_limit']) where known; spec-sheet peaks.
 CHIPS = {
-    "v4": Chip("v4", int(30.75 * GIB), 275e12, 2),
-    "v5e": Chip("v5e", int(15.75 * GIB), 197e12, 1),
-    "v5p": Chip("v5p", int(95.74 * GIB), 459e12, 2),
-    "v6e": Chip("v6e", int(31.25 * GIB), 918e12, 1),
+    "v4": Chip("v4", int(30.75 * GIB), 275e12, 1.2e12, 2),
+    "v5e": Chip("v5e", int(15.75 * GIB), 197e12, 0.819e12, 1),
+    "v5p": Chip("v5p", int(95.74 * GIB), 459e12, 2.765e12, 2),
+    "v6e": Chip("v6e", int(31.25 * GIB), 918e12, 1.64e12, 1),
 }
 
 
@@ -71,18 +73,17 @@ def offline_tpu_env(topology: str) -> dict[str, str]:
     }
     for k, v in env.items():
         os.environ.setdefault(k, v)
+    # jax reads JAX_PLATFORMS when it is imported; if it already was, set the option itself (this
+    # only matters before the first backend starts, which preflight never needs).
+    jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
     return env
 
 
 def libtpu_available() -> str | None:
-    """None when libtpu can be loaded, else the reason (for skips and the launcher's error)."""
-    try:
-        from jax._src import xla_bridge as xb
-
-        if xb.get_tpu_library_path() is None:
-            return "libtpu is not installed (pip install -r requirements-tpu.txt into a separate venv)"
-    except Exception as e:  # noqa: BLE001 - any import problem is a reason to skip
-        return f"libtpu unavailable: {e}"
+    """None when libtpu is installed, else the reason (for test skips and the launcher's error)."""
+    if importlib.util.find_spec("libtpu") is None and not os.environ.get("TPU_LIBRARY_PATH"):
+        return ("libtpu is not installed: preflight needs the TPU compiler "
+                "(python3 -m venv /tmp/tpu-venv && /tmp/tpu-venv/bin/pip install -r requirements-tpu.txt)")
     return None
 
 
@@ -127,8 +128,10 @@ class Report:
     code_bytes: int
     xla_flops: float  # per chip, XLA's count
     model_flops: float  # per chip, `train.flops` formula (0 when not a training step)
-    optimal_seconds: float  # XLA's cost model (0 when the backend gives none)
+    optimal_seconds: float  # XLA's cost model; <= 0 when it gives none (seen for programs with loops)
     peak_flops: float
+    bytes_accessed: float = 0.0  # per chip, XLA's count
+    hbm_bytes_per_s: float = 0.0
     largest: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     note: str = ""
 
@@ -146,14 +149,22 @@ class Report:
         return self.total_bytes / self.hbm_bytes
 
     @property
+    def seconds(self) -> float:
+        """XLA's optimal_seconds when positive, else the roofline of XLA's own counts (flops, bytes)."""
+        if self.optimal_seconds > 0:
+            return self.optimal_seconds
+        bw = self.bytes_accessed / self.hbm_bytes_per_s if self.hbm_bytes_per_s else 0.0
+        return max(self.xla_flops / self.peak_flops, bw)
+
+    @property
     def mfu(self) -> float:
-        if not self.optimal_seconds or not self.model_flops:
+        if not self.seconds or not self.model_flops:
             return 0.0
-        return self.model_flops / (self.optimal_seconds * self.peak_flops)
+        return self.model_flops / (self.seconds * self.peak_flops)
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d.update(total_bytes=self.total_bytes, fits=self.fits, hbm_frac=self.hbm_frac, mfu=self.mfu)
+        d.update(total_bytes=self.total_bytes, fits=self.fits, hbm_frac=self.hbm_frac, mfu=self.mfu, seconds=self.seconds)
         return d
 
 
@@ -192,9 +203,25 @@ def compile_report(name: str, jitted, args, *, chip: Chip, chips: int, model_flo
         code_bytes=int(getattr(mem, "generated_code_size_in_bytes", 0)),
         xla_flops=float(cost.get("flops", 0.0)), model_flops=model_flops_total / chips,
         optimal_seconds=float(cost.get("optimal_seconds", 0.0)), peak_flops=chip.peak_bf16_flops, note=note,
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)), hbm_bytes_per_s=chip.hbm_bytes_per_s,
     )
-    if rep.hbm_frac > 0.85:
-        rep.largest = largest_buffers(compiled.as_text())
+    rep.largest = largest_buffers(compiled.as_text())
+    return rep
+
+
+LINEAR_FIELDS = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "code_bytes", "xla_flops",
+                 "model_flops", "optimal_seconds", "bytes_accessed")
+
+
+def extrapolate(base: Report, plus_text: Report, plus_vision: Report, more_text: int, more_vision: int) -> Report:
+    """base + more_text x (one text layer's increment) + more_vision x (one vision block's), field by field."""
+    vals = {f: getattr(base, f) + more_text * (getattr(plus_text, f) - getattr(base, f))
+            + more_vision * (getattr(plus_vision, f) - getattr(base, f)) for f in LINEAR_FIELDS}
+    vals = {f: (v if isinstance(getattr(base, f), float) else int(v)) for f, v in vals.items()}
+    note = (f"extrapolated linearly in depth from compiles at +0/+1 layers (+{more_text} text layers, "
+            f"+{more_vision} vision blocks)")
+    rep = dataclasses.replace(base, **vals, note="; ".join(x for x in (base.note, note) if x))
+    rep.largest = plus_text.largest
     return rep
 
 
@@ -212,13 +239,15 @@ def format_table(reports: list[Report], topology: str) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in reports:
         mfu = f"{100 * r.mfu:.1f}%" if r.mfu else "-"
-        secs = f"{r.optimal_seconds:.4f}" if r.optimal_seconds else "-"
+        secs = f"{r.seconds:.4f}" + ("" if r.optimal_seconds > 0 else "*") if r.seconds else "-"
         lines.append(f"| {r.name} | {_gib(r.argument_bytes)} | {_gib(r.temp_bytes)} | {_gib(r.output_bytes)} | "
                      f"{_gib(r.alias_bytes)} | {_gib(r.total_bytes)} | {100 * r.hbm_frac:.1f} | "
                      f"{'yes' if r.fits else 'NO'} | {r.xla_flops / 1e12:.2f} | {secs} | {mfu} |")
+    if any(r.optimal_seconds <= 0 for r in reports):
+        lines.append("- *: XLA gave no optimal_seconds; roofline max(XLA flops / peak, XLA bytes / HBM bandwidth)")
     for r in reports:
         if r.note:
             lines.append(f"- {r.name}: {r.note}")
-        if r.largest:
+        if r.largest and r.hbm_frac > 0.85:
             lines.append(f"- {r.name} largest buffers: " + "; ".join(f"{_gib(b)} GiB {k}" for b, k in r.largest))
     return "\n".join(lines)

@@ -68,6 +68,18 @@ def model_config(config) -> tuple[ModelConfig, str]:
     return cfg, note
 
 
+def with_depth(cfg: ModelConfig, text_layers: int, vision_depth: int) -> ModelConfig:
+    """The same model at a smaller depth; the vision tower keeps one full-attention block (its last).
+
+    Used to extrapolate a deep model's compile linearly in depth when compiling it whole is too
+    slow for the machine: each (rematerialized) layer adds its parameter shards, optimizer moments
+    and saved residual, while the transient peak of one layer's recompute is the same at any depth.
+    """
+    text = dataclasses.replace(cfg.text, num_hidden_layers=text_layers)
+    vision = dataclasses.replace(cfg.vision, depth=vision_depth, fullatt_block_indexes=(vision_depth - 1,))
+    return cfg.replace(text=text, vision=vision)
+
+
 def abstract_train_state(cfg: ModelConfig, tx, mesh, rules=None):
     """(ModelDef, abstract TrainState with shardings, TrainState of shardings), as `create_train_state`."""
     mdef, ab = st.abstract_params(cfg)
@@ -100,13 +112,15 @@ def with_shardings(shapes: dict, mesh, rules=None) -> tuple[dict, dict]:
 
 
 def plan_from_config(config, topology: str, *, empty_batch, rows_per_chip: int = 0, bucket: int = -1,
-                     devices=None) -> Plan:
+                     devices=None, depth: tuple[int, int] | None = None) -> Plan:
     """The Plan of an SFT (configs/sft.py) or GRPO (configs/grpo.py) config on `topology`."""
     chip, dims = pf.parse_topology(topology)
     devices = pf.topology_devices(topology) if devices is None else devices
     mesh = pf.topology_mesh(devices, config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     rules = tuple(tuple(r) for r in config.sharding_rules) if config.sharding_rules else None
     cfg, note = model_config(config)
+    if depth is not None:
+        cfg = with_depth(cfg, *depth)
     kind = "grpo" if "prompts_per_step" in config else "sft"
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     accum = int(config.grad_accum)
@@ -155,3 +169,20 @@ def compile_plan(plan: Plan) -> list[pf.Report]:
     """Compiles the entries one at a time (each frees its executable before the next)."""
     return [pf.compile_report(e.name, e.jitted, e.args, chip=plan.chip, chips=plan.chips,
                               model_flops_total=e.model_flops, note=e.note) for e in plan.entries]
+
+
+# Base depth and the two one-layer steps that measure a text layer's and a vision block's share.
+DEPTH_POINTS = ((1, 1), (2, 1), (1, 2))
+
+
+def compile_extrapolated(make_plan, text_layers: int, vision_depth: int, log=print) -> tuple[Plan, list[pf.Report]]:
+    """Compile at DEPTH_POINTS (make_plan(depth) -> Plan) and extrapolate every entry linearly to full depth."""
+    runs = []
+    for d in DEPTH_POINTS:
+        plan = make_plan(d)
+        log(f"compiling at depth (text {d[0]}, vision {d[1]}) ...")
+        runs.append(compile_plan(plan))
+    out = []
+    for base, text1, vis1 in zip(*runs, strict=True):
+        out.append(pf.extrapolate(base, text1, vis1, text_layers - 1, vision_depth - 1))
+    return plan, out

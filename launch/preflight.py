@@ -21,6 +21,8 @@ _TOPOLOGY = flags.DEFINE_string("topology", "v5p:4x4x4", "TPU slice CHIP:AxB[xC]
 _ROWS = flags.DEFINE_integer("rows_per_chip", 0, "rows per chip per micro-batch; sets the global batch to "
                              "rows x data*fsdp x grad_accum (0 = keep the config's batch)")
 _BUCKET = flags.DEFINE_integer("bucket", -1, "which of the config's (tokens, image tokens, windows) buckets")
+_DEPTH = flags.DEFINE_bool("extrapolate_depth", False, "compile at 1-2 layers and extrapolate linearly to the "
+                           "model's depth (for machines where compiling the whole model takes too long)")
 _JSON = flags.DEFINE_string("json_out", "", "also write the reports as JSON here")
 
 
@@ -48,10 +50,18 @@ def main(argv):
     from codedance_jax import preflight_plan as runs
     from data.batching import collate  # the real batch contract, at zero rows
 
+    def make_plan(depth=None):
+        return runs.plan_from_config(config, _TOPOLOGY.value, rows_per_chip=_ROWS.value, bucket=_BUCKET.value,
+                                     empty_batch=lambda bucket, vcfg: collate([], bucket, pad_id=0, vision_cfg=vcfg),
+                                     depth=depth)
+
     try:
-        plan = runs.plan_from_config(config, _TOPOLOGY.value, rows_per_chip=_ROWS.value, bucket=_BUCKET.value,
-                                     empty_batch=lambda bucket, vcfg: collate([], bucket, pad_id=0, vision_cfg=vcfg))
-        reports = runs.compile_plan(plan)
+        if _DEPTH.value:
+            cfg, _ = runs.model_config(config)
+            plan, reports = runs.compile_extrapolated(make_plan, cfg.text.num_hidden_layers, cfg.vision.depth)
+        else:
+            plan = make_plan()
+            reports = runs.compile_plan(plan)
     except ValueError as e:
         _fail(str(e))
     print(plan.describe())
