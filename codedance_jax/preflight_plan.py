@@ -182,6 +182,7 @@ def compile_extrapolated(make_plan, text_layers: int, vision_depth: int, log=pri
         plan = make_plan(d)
         log(f"compiling at depth (text {d[0]}, vision {d[1]}) ...")
         runs.append(compile_plan(plan))
+        log(pf.format_table(runs[-1], plan.topology))
     out = []
     for base, text1, vis1 in zip(*runs, strict=True):
         out.append(pf.extrapolate(base, text1, vis1, text_layers - 1, vision_depth - 1))

@@ -348,7 +348,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
                 if key not in lp_fns:
                     lp_bsh = {k: v for k, v in bsh.items() if k in sft.BATCH_FIELDS}
                     lp_fns[key] = grpo.make_logprob_fn(mdef, state_sh.params, lp_bsh, mesh,
-                                                       temperature=config.rollout.temperature)
+                                                       temperature=config.rollout.temperature,
+                                                       accum_steps=config.grad_accum, rules=rules)
                 lp_in = {k: v for k, v in gb.items() if k in sft.BATCH_FIELDS}
                 if config.recompute_old_logprobs:
                     old = lp_fns[key](state.params, lp_in)
@@ -366,7 +367,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
             skey = key + (("ref", ref_params is not None),)
             if skey not in steps:
                 steps[skey] = grpo.make_grpo_step(mdef, tx, sched, loss_cfg, state_sh, bsh, mesh,
-                                                  accum_steps=config.grad_accum, temperature=config.rollout.temperature)
+                                                  accum_steps=config.grad_accum, temperature=config.rollout.temperature,
+                                                  rules=rules)
             state, m = steps[skey](state, gb, jax.random.key(step))
             m = {k: float(v) for k, v in jax.device_get(m).items()}
             t_update = time.perf_counter() - t0

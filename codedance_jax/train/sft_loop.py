@@ -155,7 +155,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
         bsh = sft.batch_shardings({k: v for k, v in local.items() if k in sft.BATCH_FIELDS}, mesh, rules)
         key = tuple((k, v.shape) for k, v in sorted(local.items()) if k in bsh)
         if key not in steps:
-            steps[key] = sft.make_train_step(mdef, tx, sched, state_sh, bsh, mesh, accum_steps=config.grad_accum)
+            steps[key] = sft.make_train_step(mdef, tx, sched, state_sh, bsh, mesh, accum_steps=config.grad_accum, rules=rules)
         state, m = steps[key](state, global_batch(local, bsh), jax.random.key(0))
         if (step + 1) % config.log_every == 0 or step + 1 == config.total_steps:
             m = jax.device_get(m)
