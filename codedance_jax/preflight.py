@@ -68,6 +68,8 @@ def offline_tpu_env(topology: str) -> dict[str, str]:
         "TPU_ACCELERATOR_TYPE": f"{chip.name}-{chips * chip.cores_per_chip}",
         "TPU_TOPOLOGY": "x".join(map(str, dims)),
         "JAX_PLATFORMS": "cpu",
+        # Compile-only use claims no chip: let several preflights (or a test and its launcher) load libtpu.
+        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
         "GCE_METADATA_HOST": "127.0.0.1:1",  # belt and braces: any metadata client fails at once, locally
         "GCE_METADATA_IP": "127.0.0.1:1",
     }
