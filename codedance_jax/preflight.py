@@ -166,7 +166,7 @@ class Report:
     @property
     def loops_undercounted(self) -> bool:
         """XLA's cost analysis counts a loop body once (micro-batch scan, vocabulary-chunk map)."""
-        return bool(self.model_flops) and self.xla_flops < 0.9 * self.model_flops
+        return bool(self.model_flops) and 0 < self.xla_flops < 0.9 * self.model_flops
 
     @property
     def mfu(self) -> float:
@@ -205,7 +205,13 @@ def largest_buffers(hlo_text: str, n: int = 6) -> list[tuple[int, str]]:
 def compile_report(name: str, jitted, args, *, chip: Chip, chips: int, model_flops_total: float = 0.0,
                    note: str = "") -> Report:
     """Lower and compile `jitted` on abstract `args`; per-chip memory and cost model."""
-    compiled = jitted.lower(*args).compile()
+    lowered = jitted.lower(*args)
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses programs over HBM
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return _over_hbm_report(name, lowered, str(e), chip=chip, chips=chips, model_flops_total=model_flops_total)
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else (cost or {})
@@ -219,6 +225,25 @@ def compile_report(name: str, jitted, args, *, chip: Chip, chips: int, model_flo
         bytes_accessed=float(cost.get("bytes accessed", 0.0)), hbm_bytes_per_s=chip.hbm_bytes_per_s,
     )
     rep.largest = largest_buffers(compiled.as_text())
+    return rep
+
+
+_NEED = re.compile(r"required for (?:HLO )?(\w[\w ]*?) \(([\d.]+)([KMGT]?)\)")
+
+
+def _over_hbm_report(name, lowered, message, *, chip: Chip, chips: int, model_flops_total: float) -> Report:
+    """A Report for a program the compiler refused: the size it states, buffers of the unpartitioned program."""
+    m = _NEED.search(message)
+    need = int(float(m.group(2)) * 1024 ** "BKMGT".index(m.group(3) or "B")) if m else chip.hbm_bytes + 1
+    rep = Report(name=name, chips=chips, hbm_bytes=chip.hbm_bytes, argument_bytes=0, output_bytes=0, alias_bytes=0,
+                 temp_bytes=need, code_bytes=0, xla_flops=0.0, model_flops=model_flops_total / chips,
+                 optimal_seconds=0.0, peak_flops=chip.peak_bf16_flops, hbm_bytes_per_s=chip.hbm_bytes_per_s,
+                 note="the TPU compiler refused it: " + message.strip().splitlines()[0][:300]
+                 + "; largest buffers are global shapes before partitioning")
+    try:
+        rep.largest = largest_buffers(lowered.as_text(dialect="hlo"))
+    except Exception:  # noqa: BLE001 - naming buffers is best effort
+        rep.largest = []
     return rep
 
 
@@ -257,7 +282,7 @@ def format_table(reports: list[Report], topology: str) -> str:
         lines.append(f"| {r.name} | {_gib(r.argument_bytes)} | {_gib(r.temp_bytes)} | {_gib(r.output_bytes)} | "
                      f"{_gib(r.alias_bytes)} | {_gib(r.total_bytes)} | {100 * r.hbm_frac:.1f} | "
                      f"{'yes' if r.fits else 'NO'} | {r.xla_flops / 1e12:.2f} | {secs} | {util} | {mfu} |")
-    if any(r.optimal_seconds <= 0 for r in reports):
+    if any(r.optimal_seconds <= 0 and r.xla_flops > 0 for r in reports):
         lines.append("- *: XLA gave no optimal_seconds; roofline max(XLA flops / peak, XLA bytes / HBM bandwidth)")
     if any(r.loops_undercounted for r in reports):
         lines.append("- **: XLA counted fewer flops than the model formula: its cost analysis counts a loop body once "
