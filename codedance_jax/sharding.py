@@ -105,6 +105,10 @@ def compute_sharding(mesh: jax.sharding.Mesh, rules=None):
         _COMPUTE.reset(token)
 
 
+def compute_sharding_active() -> bool:
+    return _COMPUTE.get() is not None
+
+
 def with_compute_sharding(fn, mesh, rules=None):
     """fn traced under `compute_sharding(mesh, rules)` (wrap before `jax.jit`)."""
     @functools.wraps(fn)

@@ -104,7 +104,11 @@ class Qwen25VL(nnx.Module):
         batch in row-major order (the `transformers` convention); with G == B row b takes its own
         group's features (per-example images, as training batches carry them).
         """
-        x = shd.constrain_batch(shd.gather_param(self.embed, self.cfg.compute_dtype)[ids_bt])
+        dt = self.cfg.compute_dtype
+        if shd.compute_sharding_active():  # FSDP: gather the (cast) table, keep the batch sharding
+            x = shd.constrain_batch(shd.gather_param(self.embed, dt)[ids_bt])
+        else:  # index first: casting the whole table per call would cost a full pass over it
+            x = self.embed[...][ids_bt].astype(dt)
         if image_feats_gnd is None:
             return x
         is_img = ids_bt == self.cfg.image_token_id
