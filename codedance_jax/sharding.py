@@ -15,7 +15,10 @@ model whose attention falls back to replication on every device is a mesh mistak
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import functools
 import logging
 
 import jax
@@ -190,3 +193,99 @@ def param_shardings(state, mesh, rules=None, *, tolerance: float = DEFAULT_SHARD
     if report.dropped:
         log.warning("mesh %s: %s (tolerance %.2f%%)", dict(mesh.shape), report.summary(), 100 * tolerance)
     return tree, report
+
+
+# ---------------------------------------------------------------- compute-time sharding (FSDP)
+# Parameters are stored sharded over `fsdp` on their `embed`-like dimension, and batches are
+# sharded over (data, fsdp) on their batch dimension: both sides of every matmul use the same mesh
+# axis. Left to propagation, XLA may resolve that conflict by keeping the weight sharded and
+# gathering the *activations* over the batch instead (each chip then computes partial sums for the
+# global batch): per-chip memory grows with the slice (issue 19: 13x from 4 to 64 v5p chips). Under
+# `compute_sharding`, a parameter is cast to the compute dtype and all-gathered at its use (FSDP),
+# activations keep their batch sharding, and gradients are reduce-scattered back to the parameters'
+# layout. Outside the context (single device, tests, eager code) every function here is the identity.
+_COMPUTE: contextvars.ContextVar = contextvars.ContextVar("codedance_compute_sharding", default=None)
+
+
+@contextlib.contextmanager
+def compute_sharding(mesh: jax.sharding.Mesh, rules=None):
+    """Trace a step under this to get FSDP gathers of parameters at use (see above)."""
+    token = _COMPUTE.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _COMPUTE.reset(token)
+
+
+def compute_sharding_active() -> bool:
+    return _COMPUTE.get() is not None
+
+
+def with_compute_sharding(fn, mesh, rules=None):
+    """fn traced under `compute_sharding(mesh, rules)` (wrap before `jax.jit`)."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with compute_sharding(mesh, rules):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def _batch_mesh_axes(mesh, rules) -> set[str]:
+    spec = logical_to_spec(("batch",), rules, mesh)
+    s = spec[0] if len(spec) else None
+    return set() if s is None else ({s} if isinstance(s, str) else set(s))
+
+
+def _param_spec(var, shape, mesh, rules) -> PartitionSpec:
+    return fit_spec(logical_to_spec(var.get_metadata().get("out_sharding"), rules, mesh), shape, mesh)
+
+
+def gather_param(var, dtype):
+    """An nnx.Param's value cast to `dtype` and, under `compute_sharding`, gathered over the batch axes."""
+    x = var[...].astype(dtype)
+    ctx = _COMPUTE.get()
+    if ctx is None:
+        return x
+    mesh, rules = ctx
+    drop = _batch_mesh_axes(mesh, rules)
+
+    def keep(s):
+        axes = () if s is None else ((s,) if isinstance(s, str) else tuple(s))
+        axes = tuple(a for a in axes if a not in drop)
+        return None if not axes else (axes[0] if len(axes) == 1 else axes)
+
+    spec = PartitionSpec(*(keep(s) for s in _param_spec(var, x.shape, mesh, rules)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def constrain_batch(x, batch_dim: int = 0):
+    """Under `compute_sharding`: keep the batch dimension of an activation on the batch mesh axes."""
+    ctx = _COMPUTE.get()
+    if ctx is None:
+        return x
+    mesh, rules = ctx
+    b = logical_to_spec(("batch",), rules, mesh)[0] if _batch_mesh_axes(mesh, rules) else None
+    if b is not None:
+        size = int(np.prod([mesh.shape[a] for a in ((b,) if isinstance(b, str) else b)]))
+        if x.shape[batch_dim] % size:
+            return x
+    spec = [PartitionSpec.UNCONSTRAINED] * x.ndim
+    spec[batch_dim] = b
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
+
+
+def constrain_like_params(tree):
+    """Under `compute_sharding`: a pytree of nnx Variables (e.g. gradients) laid out as the parameters."""
+    ctx = _COMPUTE.get()
+    if ctx is None:
+        return tree
+    mesh, rules = ctx
+
+    def one(v):
+        if not hasattr(v, "get_metadata"):
+            return v
+        sh = NamedSharding(mesh, _param_spec(v, v.shape, mesh, rules))
+        return v.replace(jax.lax.with_sharding_constraint(v[...], sh))
+
+    return jax.tree.map(one, tree, is_leaf=lambda x: hasattr(x, "get_metadata"))

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from codedance_jax import sharding as shd
+
 
 def param(rngs: nnx.Rngs | None, shape, axes: tuple[str | None, ...], dtype, init: str = "normal") -> nnx.Param:
     """A parameter of `shape` with logical `axes`; random init uses N(0, 0.02) like the reference."""
@@ -36,7 +38,7 @@ class RMSNorm(nnx.Module):
         xf = x.astype(jnp.float32)
         var = jnp.mean(xf * xf, axis=-1, keepdims=True)
         y = (xf * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
-        return self.scale[...].astype(x.dtype) * y
+        return shd.gather_param(self.scale, x.dtype) * y
 
 
 class Dense(nnx.Module):
@@ -47,9 +49,9 @@ class Dense(nnx.Module):
         self.bias = param(rngs, (d_out,), (axes[1],), dtype, init="zeros") if bias else None
 
     def __call__(self, x):
-        y = jnp.einsum("...i,io->...o", x, self.kernel[...].astype(x.dtype))
+        y = jnp.einsum("...i,io->...o", x, shd.gather_param(self.kernel, x.dtype))
         if self.bias is not None:
-            y = y + self.bias[...].astype(x.dtype)
+            y = y + shd.gather_param(self.bias, x.dtype)
         return y
 
 

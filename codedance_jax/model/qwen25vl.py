@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from codedance_jax import sharding as shd
 from codedance_jax.model import rope, text, vision
 from codedance_jax.model.config import ModelConfig
 from codedance_jax.model.layers import RMSNorm, param, remat_policy
@@ -103,7 +104,11 @@ class Qwen25VL(nnx.Module):
         batch in row-major order (the `transformers` convention); with G == B row b takes its own
         group's features (per-example images, as training batches carry them).
         """
-        x = self.embed[...][ids_bt].astype(self.cfg.compute_dtype)
+        dt = self.cfg.compute_dtype
+        if shd.compute_sharding_active():  # FSDP: gather the (cast) table, keep the batch sharding
+            x = shd.constrain_batch(shd.gather_param(self.embed, dt)[ids_bt])
+        else:  # index first: casting the whole table per call would cost a full pass over it
+            x = self.embed[...][ids_bt].astype(dt)
         if image_feats_gnd is None:
             return x
         is_img = ids_bt == self.cfg.image_token_id
@@ -117,8 +122,8 @@ class Qwen25VL(nnx.Module):
         return jnp.where(is_img[..., None], feats.astype(x.dtype), x)
 
     def logits(self, h_btd):
-        w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        return jnp.einsum("btd,dv->btv", h_btd, w.astype(h_btd.dtype))
+        w = shd.gather_param(self.embed, h_btd.dtype).T if self.lm_head is None else shd.gather_param(self.lm_head, h_btd.dtype)
+        return jnp.einsum("btd,dv->btv", h_btd, w)
 
     def _decoder(self, x, positions_3bt, mask, caches=None, index=None):
         t = self.cfg.text
@@ -129,6 +134,7 @@ class Qwen25VL(nnx.Module):
         new = []
         for i, layer in enumerate(self.layers):
             x, kv = layer_fn(layer, x, None if caches is None else caches[i])
+            x = shd.constrain_batch(x)  # batch-sharded between layers (see sharding.compute_sharding)
             new.append(kv)
         return self.norm(x), new
 

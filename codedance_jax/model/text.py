@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from codedance_jax import sharding as shd
 from codedance_jax.model import rope
 from codedance_jax.model.config import TextConfig
 from codedance_jax.model.layers import RMSNorm, SwiGLU, param
@@ -36,9 +37,9 @@ class Attention(nnx.Module):
     def __call__(self, x_btd, cos_bth, sin_bth, mask_bts, kv_cache=None, index=None):
         """Returns (out [B, T, D], (k, v)); with kv_cache=(k [B,S,K,H], v) the chunk is written at `index`."""
         dt = x_btd.dtype
-        q = jnp.einsum("btd,dnh->btnh", x_btd, self.q_kernel[...].astype(dt)) + self.q_bias[...].astype(dt)
-        k = jnp.einsum("btd,dkh->btkh", x_btd, self.k_kernel[...].astype(dt)) + self.k_bias[...].astype(dt)
-        v = jnp.einsum("btd,dkh->btkh", x_btd, self.v_kernel[...].astype(dt)) + self.v_bias[...].astype(dt)
+        q = jnp.einsum("btd,dnh->btnh", x_btd, shd.gather_param(self.q_kernel, dt)) + shd.gather_param(self.q_bias, dt)
+        k = jnp.einsum("btd,dkh->btkh", x_btd, shd.gather_param(self.k_kernel, dt)) + shd.gather_param(self.k_bias, dt)
+        v = jnp.einsum("btd,dkh->btkh", x_btd, shd.gather_param(self.v_kernel, dt)) + shd.gather_param(self.v_bias, dt)
         cos, sin = cos_bth[:, :, None], sin_bth[:, :, None]
         q, k = rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin)
         if kv_cache is not None:
@@ -51,7 +52,7 @@ class Attention(nnx.Module):
         logits = jnp.where(mask_bts[:, None, None], logits, NEG_INF)
         probs = jax.nn.softmax(logits, axis=-1).astype(dt)
         o = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(dt)).reshape(b, t, n, h)
-        return jnp.einsum("btnh,nhd->btd", o, self.o_kernel[...].astype(dt)), (k, v)
+        return jnp.einsum("btnh,nhd->btd", o, shd.gather_param(self.o_kernel, dt)), (k, v)
 
 
 class DecoderLayer(nnx.Module):

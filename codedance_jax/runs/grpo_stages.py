@@ -226,7 +226,8 @@ def old_logprobs(ctx: GRPOContext, run: setup.Run, b: GRPOBatch) -> GRPOBatch:
     arrays, shardings, mismatch = dict(b.arrays), dict(b.shardings), b.logprob_mismatch
     lp_bsh = {k: v for k, v in b.shardings.items() if k in sft.BATCH_FIELDS}
     lp_fn = ctx.lp_fns.get(b.key, lambda: grpo.make_logprob_fn(run.mdef, run.state_sh.params, lp_bsh, ctx.mesh,
-                                                               temperature=config.rollout.temperature))
+                                                               temperature=config.rollout.temperature,
+                                                               accum_steps=config.grad_accum, rules=ctx.rules))
     lp_in = {k: v for k, v in b.arrays.items() if k in sft.BATCH_FIELDS}
     if config.recompute_old_logprobs:
         old = lp_fn(run.state.params, lp_in)
@@ -249,7 +250,7 @@ def update(ctx: GRPOContext, run: setup.Run, b: GRPOBatch, step: int) -> Update:
     key = b.key + (("ref", ctx.ref_params is not None),)
     step_fn = run.steps.get(key, lambda: grpo.make_grpo_step(
         run.mdef, ctx.tx, ctx.sched, ctx.loss, run.state_sh, b.shardings, ctx.mesh,
-        accum_steps=ctx.config.grad_accum, temperature=ctx.config.rollout.temperature))
+        accum_steps=ctx.config.grad_accum, temperature=ctx.config.rollout.temperature, rules=ctx.rules))
     rng = jax.random.key(step)
     with jax.transfer_guard("disallow"):  # inputs are placed above: any other host<->device copy is a bug
         state, m = step_fn(run.state, b.arrays, rng)

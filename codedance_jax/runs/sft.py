@@ -137,7 +137,7 @@ def train_steps(config, run: setup.Run, data_it, cfg: ModelConfig, mesh, rules, 
         local = next(data_it)
         bsh = sft.batch_shardings({k: v for k, v in local.items() if k in sft.BATCH_FIELDS}, mesh, rules)
         step_fn = run.steps.get(setup.batch_key(local, bsh), lambda bsh=bsh: sft.make_train_step(
-            run.mdef, tx, sched, run.state_sh, bsh, mesh, accum_steps=config.grad_accum))
+            run.mdef, tx, sched, run.state_sh, bsh, mesh, accum_steps=config.grad_accum, rules=rules))
         gb, rng = global_batch(local, bsh), jax.random.key(0)
         with jax.transfer_guard("disallow"):  # inputs are placed above: any other host<->device copy is a bug
             run.state, m = step_fn(run.state, gb, rng)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from codedance_jax import sharding as shd
 from codedance_jax.rl.grpo_loss import GRPOLossConfig, grpo_loss
 from codedance_jax.train.sft import split_micro, target_logprobs
 from codedance_jax.train.state import ModelDef, TrainState
@@ -56,11 +57,12 @@ def grpo_train_step(state: TrainState, batch: dict, rng, *, mdef: ModelDef, tx, 
                          mb["a_seq"], mb["a_turn"], loss_cfg, entropy=ent, denom=denom)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    zeros = shd.constrain_like_params(jax.tree.map(jnp.zeros_like, state.params))
 
     def micro(carry, mb):
         g_acc, m_acc = carry
         (_, m), g = grad_fn(state.params, mb)
+        g = shd.constrain_like_params(g)  # reduce-scatter to the parameters' layout (FSDP, issue 19)
         w = m["n_tokens"]  # token-weighted averages of the per-token metrics
         m_acc = {k: m_acc[k] + (m[k] * w if k in TOKEN_METRICS else m[k]) for k in m_acc}
         return (jax.tree.map(jnp.add, g_acc, g), m_acc), None
@@ -88,15 +90,29 @@ TOKEN_METRICS = ("clip_frac", "ppo_kl", "ratio_mean", "adv_mean", "entropy")
 
 
 def make_grpo_step(mdef: ModelDef, tx, schedule, loss_cfg, state_sh, batch_sh, mesh, *, accum_steps=1,
-                   temperature=1.0, chunk=512):
+                   temperature=1.0, chunk=512, rules=None):
     replicated = NamedSharding(mesh, PartitionSpec())
     fn = functools.partial(grpo_train_step, mdef=mdef, tx=tx, schedule=schedule, loss_cfg=loss_cfg,
                            accum_steps=accum_steps, temperature=temperature, chunk=chunk)
+    fn = shd.with_compute_sharding(fn, mesh, rules)  # FSDP at use (issue 19)
     return jax.jit(fn, in_shardings=(state_sh, batch_sh, replicated), out_shardings=(state_sh, replicated), donate_argnums=0)
 
 
-def make_logprob_fn(mdef: ModelDef, params_sh, batch_sh, mesh, *, temperature=1.0, chunk=512):
-    """jit: log-probs of targets under given params (old-policy or reference recompute)."""
+def make_logprob_fn(mdef: ModelDef, params_sh, batch_sh, mesh, *, temperature=1.0, chunk=512, accum_steps=1,
+                    rules=None):
+    """jit: log-probs of targets under given params (old-policy or reference recompute).
+
+    `accum_steps` > 1 runs the batch in that many micro-batches (`lax.map`), as the update does:
+    a 7B forward over 2,048 rows of 8k tokens at once does not fit any chip.
+    """
     replicated = NamedSharding(mesh, PartitionSpec())
     fn = functools.partial(policy_logprobs, mdef=mdef, temperature=temperature, chunk=chunk)
-    return jax.jit(lambda p, b: fn(p, b), in_shardings=(params_sh, batch_sh), out_shardings=replicated)
+
+    def run(p, b):
+        if accum_steps == 1:
+            return fn(p, b)
+        lp = jax.lax.map(lambda mb: fn(p, mb), split_micro(b, accum_steps))  # [n, B/n, T]
+        return lp.swapaxes(0, 1).reshape(-1, lp.shape[-1])  # undo the strided split: row order kept
+
+    run = shd.with_compute_sharding(run, mesh, rules)  # FSDP at use (issue 19)
+    return jax.jit(run, in_shardings=(params_sh, batch_sh), out_shardings=replicated)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from codedance_jax import sharding as shd
+
 
 def token_logprobs(h_btd, w_dv, targets_bt, *, temperature: float = 1.0, chunk: int = 512, with_entropy: bool = False):
     """log softmax(h @ w / temperature)[targets] -> float32[B, T] (and entropy [B, T])."""
@@ -42,5 +44,10 @@ def token_logprobs(h_btd, w_dv, targets_bt, *, temperature: float = 1.0, chunk: 
 
 
 def output_weight(model):
-    """[D, V]: the lm_head, or the transposed embedding for tied models."""
-    return model.embed[...].T if model.lm_head is None else model.lm_head[...]
+    """[D, V] in the compute dtype: the lm_head, or the transposed embedding for tied models.
+
+    Gathered once per call under `sharding.compute_sharding` (FSDP), outside the chunk loop: left
+    sharded on D, XLA computed every chunk's logits for the global batch (issue 19).
+    """
+    dt = model.cfg.compute_dtype
+    return shd.gather_param(model.embed, dt).T if model.lm_head is None else shd.gather_param(model.lm_head, dt)

@@ -71,13 +71,19 @@ def sft_loss_sums(params, batch, mdef: ModelDef, chunk: int = 512):
 
 
 def split_micro(batch: dict, n: int) -> dict:
-    """[B, ...] -> [n, B/n, ...] for every field (positions: [3, B, T] -> [n, 3, B/n, T])."""
+    """[B, ...] -> [n, B/n, ...] for every field (positions: [3, B, T] -> [n, 3, B/n, T]).
+
+    Micro-batch j takes rows j, j + n, j + 2n, ...: the batch is sharded in contiguous blocks over
+    the chips, so a strided split leaves every micro-batch spread over all of them (a contiguous
+    split put each micro-batch on 1/n of the chips, and XLA resharded or computed it there; issue 19).
+    Losses and gradients are sums over all micro-batches, so the order does not change them.
+    """
     out = {}
     for k, v in batch.items():
         if k == "positions":
-            out[k] = v.reshape(v.shape[0], n, -1, *v.shape[2:]).swapaxes(0, 1)
+            out[k] = v.reshape(v.shape[0], -1, n, *v.shape[2:]).transpose(2, 0, 1, *range(3, v.ndim + 1))
         else:
-            out[k] = v.reshape(n, -1, *v.shape[1:])
+            out[k] = v.reshape(-1, n, *v.shape[1:]).swapaxes(0, 1)
     return out
 
 
@@ -89,9 +95,10 @@ def train_step(state: TrainState, batch: dict, rng, *, mdef: ModelDef, tx, sched
     def micro(carry, mb):
         g_acc, l_acc, n_acc = carry
         (loss_sum, n), g = grad_fn(state.params, mb, mdef, chunk)
+        g = shd.constrain_like_params(g)  # reduce-scatter to the parameters' layout (FSDP, issue 19)
         return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss_sum, n_acc + n), None
 
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    zeros = shd.constrain_like_params(jax.tree.map(jnp.zeros_like, state.params))
     if accum_steps == 1:
         (g, loss_sum, n), _ = micro((zeros, 0.0, 0.0), batch)
     else:
@@ -112,8 +119,11 @@ def train_step(state: TrainState, batch: dict, rng, *, mdef: ModelDef, tx, sched
     return new_state, metrics
 
 
-def make_train_step(mdef: ModelDef, tx, schedule, state_sh, batch_sh, mesh, *, accum_steps: int = 1, chunk: int = 512):
-    """jit(train_step) with explicit in/out shardings and the state donated."""
+def make_train_step(mdef: ModelDef, tx, schedule, state_sh, batch_sh, mesh, *, accum_steps: int = 1, chunk: int = 512,
+                    rules=None):
+    """jit(train_step) with explicit in/out shardings and the state donated (`rules`: the state's logical rules)."""
     replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
     fn = functools.partial(train_step, mdef=mdef, tx=tx, schedule=schedule, accum_steps=accum_steps, chunk=chunk)
+    # FSDP at use: weights gathered per layer, activations and gradients kept sharded (issue 19).
+    fn = shd.with_compute_sharding(fn, mesh, rules)
     return jax.jit(fn, in_shardings=(state_sh, batch_sh, replicated), out_shardings=(state_sh, replicated), donate_argnums=0)

@@ -1,0 +1,52 @@
+"""Per-chip memory of a step as the TPU slice grows at a fixed per-chip batch (AOT, libtpu venv).
+
+  /tmp/tpu-venv/bin/python benchmarks/preflight_scaling.py --config=configs/sft.py:tiny \
+      --topologies=v5e:2x2,v5e:4x4,v5e:8x8,v5e:16x16 --rows_per_chip=2 --config.grad_accum=2
+
+Prints a table and writes JSON to benchmarks/results/preflight_scaling_<preset>.json. Flat
+temporaries (and arguments falling as the state splits over more chips) mean memory follows the
+per-chip batch, not the global one.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/sft.py:tiny", "run config")
+_TOPOS = flags.DEFINE_string("topologies", "v5e:2x2,v5e:4x4,v5e:8x8,v5e:16x16", "comma-separated slices")
+_ROWS = flags.DEFINE_integer("rows_per_chip", 2, "rows per chip per micro-batch")
+_BUCKET = flags.DEFINE_integer("bucket", 0, "bucket index")
+
+
+def main(argv):
+    del argv
+    from codedance_jax import preflight as pf
+
+    topos = _TOPOS.value.split(",")
+    pf.offline_tpu_env(topos[0])
+    from codedance_jax import preflight_plan
+    from codedance_jax.train.batching import collate
+
+    rows = []
+    print("| topology | chips | global rows | function | args MiB | temp MiB | total MiB |\n|---|---|---|---|---|---|---|")
+    for topo in topos:
+        plan = preflight_plan.plan_from_config(_CONFIG.value, topo, rows_per_chip=_ROWS.value, bucket=_BUCKET.value,
+                                               empty_batch=lambda b, v: collate([], b, pad_id=0, vision_cfg=v))
+        for r in preflight_plan.compile_plan(plan):
+            rows.append(dict(topology=topo, global_rows=plan.rows, **r.as_dict()))
+            print(f"| {topo} | {r.chips} | {plan.rows} | {r.name} | {r.argument_bytes / 2**20:.1f} | "
+                  f"{r.temp_bytes / 2**20:.1f} | {r.total_bytes / 2**20:.1f} |", flush=True)
+    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                       f"preflight_scaling_{_CONFIG.value.model}.json")
+    with open(out, "w") as f:
+        json.dump(rows, f, indent=1)
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,189 @@
+"""From a run config to the jitted functions the run will compile, with abstract arguments.
+
+The same builders as the runs (`train.sft.make_train_step`, `train.grpo.make_grpo_step`,
+`train.grpo.make_logprob_fn`), the same state shardings (`train.state`) and the batch contract
+given by the caller (`empty_batch`: the data layer's `collate` at zero rows), so what compiles here
+is what the run compiles. Only shapes travel: nothing is allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from codedance_jax import preflight as pf
+from codedance_jax.model.config import ModelConfig
+from codedance_jax.rl.grpo_loss import GRPOLossConfig
+from codedance_jax.train import flops, grpo, optim, sft
+from codedance_jax.train import state as st
+
+
+@dataclasses.dataclass
+class Entry:
+    name: str
+    jitted: Callable
+    args: tuple
+    model_flops: float = 0.0  # whole slice, `train.flops` formula
+    note: str = ""
+
+
+@dataclasses.dataclass
+class Plan:
+    kind: str
+    topology: str
+    chip: pf.Chip
+    chips: int
+    mesh_shape: dict
+    model: str
+    rows: int
+    grad_accum: int
+    bucket: tuple
+    entries: list[Entry]
+
+    def describe(self) -> str:
+        per_chip = self.rows / (self.mesh_shape["data"] * self.mesh_shape["fsdp"] * self.grad_accum)
+        return (f"{self.kind} {self.model}: global batch {self.rows} rows x bucket {tuple(self.bucket)} "
+                f"(tokens, image tokens, windows), grad_accum {self.grad_accum} -> {per_chip:g} rows per chip per "
+                f"micro-batch; mesh {self.mesh_shape}")
+
+
+PRESETS = {"tiny": ModelConfig.tiny, "qwen25vl_3b": ModelConfig.qwen25vl_3b, "qwen25vl_7b": ModelConfig.qwen25vl_7b}
+
+
+def model_config(config) -> tuple[ModelConfig, str]:
+    """The run's ModelConfig from its preset name (checkpoints are not read: shapes are the preset's)."""
+    name = config.model
+    note = ""
+    if name == "toy":  # the toy world's model needs its generated tokenizer; the tiny preset has the same layout
+        name, note = "tiny", "toy model preflighted as the tiny preset (same layout, Qwen vocabulary)"
+    if name not in PRESETS:
+        raise ValueError(f"config.model={config.model!r}: preflight knows the presets {sorted(PRESETS)}")
+    cfg = PRESETS[name]().replace(dtype=config.dtype, param_dtype=config.param_dtype, remat=config.remat)
+    return cfg, note
+
+
+def with_depth(cfg: ModelConfig, text_layers: int, vision_depth: int) -> ModelConfig:
+    """The same model at a smaller depth; the vision tower keeps one full-attention block (its last).
+
+    Used to extrapolate a deep model's compile linearly in depth when compiling it whole is too
+    slow for the machine: each (rematerialized) layer adds its parameter shards, optimizer moments
+    and saved residual, while the transient peak of one layer's recompute is the same at any depth.
+    """
+    text = dataclasses.replace(cfg.text, num_hidden_layers=text_layers)
+    vision = dataclasses.replace(cfg.vision, depth=vision_depth, fullatt_block_indexes=(vision_depth - 1,))
+    return cfg.replace(text=text, vision=vision)
+
+
+def abstract_train_state(cfg: ModelConfig, tx, mesh, rules=None):
+    """(ModelDef, abstract TrainState with shardings, TrainState of shardings), as `create_train_state`."""
+    mdef, ab = st.abstract_params(cfg)
+    p_sh = jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v,
+                        st.param_shardings(ab, mesh, rules), is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    def wrap(p):
+        return st.TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p),
+                             rng=jax.random.key_data(jax.random.key(0)))
+
+    sh = st.state_shardings(jax.eval_shape(wrap, ab), p_sh, mesh, tx)
+    return mdef, jax.jit(wrap, out_shardings=sh).eval_shape(ab), sh
+
+
+def batch_shapes(empty: dict, rows: int) -> dict:
+    """Zero-row batch from `collate` -> {field: ShapeDtypeStruct} with `rows` rows."""
+    out = {}
+    for k, v in empty.items():
+        if k == "num_tokens":
+            continue
+        shape = list(v.shape)
+        shape[sft.batch_axes(k, v.ndim).index("batch")] = rows
+        out[k] = jax.ShapeDtypeStruct(tuple(shape), v.dtype)
+    return out
+
+
+def with_shardings(shapes: dict, mesh, rules=None) -> tuple[dict, dict]:
+    sh = sft.batch_shardings(shapes, mesh, rules)
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh[k]) for k, v in shapes.items()}, sh
+
+
+def plan_from_config(config, topology: str, *, empty_batch, rows_per_chip: int = 0, bucket: int = -1,
+                     devices=None, depth: tuple[int, int] | None = None) -> Plan:
+    """The Plan of an SFT (configs/sft.py) or GRPO (configs/grpo.py) config on `topology`."""
+    chip, dims = pf.parse_topology(topology)
+    devices = pf.topology_devices(topology) if devices is None else devices
+    mesh = pf.topology_mesh(devices, config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    rules = tuple(tuple(r) for r in config.sharding_rules) if config.sharding_rules else None
+    cfg, note = model_config(config)
+    if depth is not None:
+        cfg = with_depth(cfg, *depth)
+    kind = "grpo" if "prompts_per_step" in config else "sft"
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    accum = int(config.grad_accum)
+    rows = config.prompts_per_step * config.group_size if kind == "grpo" else config.batch_size
+    if rows_per_chip:
+        rows = rows_per_chip * shards * accum
+    if rows % (shards * accum):
+        raise ValueError(f"global batch {rows} rows does not split into mesh data*fsdp={shards} x grad_accum={accum}; "
+                         f"set --config.grad_accum to a divisor of {rows // shards if rows >= shards else rows} or "
+                         "--rows_per_chip")
+    buckets = config.buckets if kind == "grpo" else config.data.buckets
+    bk = tuple(buckets[bucket])
+    shapes = batch_shapes(empty_batch(bk, cfg.vision), rows)
+    tx, sched = optim.make_optimizer(config.optim, config.total_steps)
+    mdef, state, state_sh = abstract_train_state(cfg, tx, mesh, rules)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=replicated)
+    t, nb = bk[0], bk[1]
+    train_flops = flops.train_flops(cfg, rows * t, t, rows * nb * cfg.vision.merge_unit)
+    entries = []
+    if kind == "sft":
+        batch, bsh = with_shardings({k: v for k, v in shapes.items() if k in sft.BATCH_FIELDS}, mesh, rules)
+        step = sft.make_train_step(mdef, tx, sched, state_sh, bsh, mesh, accum_steps=accum, rules=rules)
+        entries.append(Entry("sft.train_step", step, (state, batch, key), train_flops, note))
+    else:
+        m = config.rollout.max_turns
+        extra = {"old_logprobs": jax.ShapeDtypeStruct((rows, t), np.float32),
+                 "turn_ids": jax.ShapeDtypeStruct((rows, t), np.int32),
+                 "a_seq": jax.ShapeDtypeStruct((rows,), np.float32),
+                 "a_turn": jax.ShapeDtypeStruct((rows, m), np.float32)}
+        if config.loss.kl_coef > 0:
+            extra["ref_logprobs"] = extra["old_logprobs"]
+        batch, bsh = with_shardings({**shapes, **extra}, mesh, rules)
+        lp_batch = {k: v for k, v in batch.items() if k in sft.BATCH_FIELDS}
+        lp_fn = grpo.make_logprob_fn(mdef, state_sh.params, {k: bsh[k] for k in lp_batch}, mesh,
+                                     temperature=config.rollout.temperature, accum_steps=accum, rules=rules)
+        entries.append(Entry("grpo.old_logprobs", lp_fn, (state.params, lp_batch), train_flops / 3, note))
+        step = grpo.make_grpo_step(mdef, tx, sched, GRPOLossConfig(clip_eps=float(config.loss.clip_eps), aggregation=config.loss.aggregation,
+                                                  kl_coef=float(config.loss.kl_coef)), state_sh, bsh, mesh, accum_steps=accum,
+                                   temperature=config.rollout.temperature, rules=rules)
+        entries.append(Entry("grpo.train_step", step, (state, batch, key), train_flops, note))
+    return Plan(kind, topology, chip, len(devices), dict(mesh.shape), config.model, rows, accum, bk, entries)
+
+
+def compile_plan(plan: Plan) -> list[pf.Report]:
+    """Compiles the entries one at a time (each frees its executable before the next)."""
+    return [pf.compile_report(e.name, e.jitted, e.args, chip=plan.chip, chips=plan.chips,
+                              model_flops_total=e.model_flops, note=e.note) for e in plan.entries]
+
+
+# Base depth and the two one-layer steps that measure a text layer's and a vision block's share.
+DEPTH_POINTS = ((1, 1), (2, 1), (1, 2))
+
+
+def compile_extrapolated(make_plan, text_layers: int, vision_depth: int, log=print) -> tuple[Plan, list[pf.Report]]:
+    """Compile at DEPTH_POINTS (make_plan(depth) -> Plan) and extrapolate every entry linearly to full depth."""
+    runs = []
+    for d in DEPTH_POINTS:
+        plan = make_plan(d)
+        log(f"compiling at depth (text {d[0]}, vision {d[1]}) ...")
+        runs.append(compile_plan(plan))
+        log(pf.format_table(runs[-1], plan.topology))
+    out = []
+    for base, text1, vis1 in zip(*runs, strict=True):
+        out.append(pf.extrapolate(base, text1, vis1, text_layers - 1, vision_depth - 1))
+    return plan, out

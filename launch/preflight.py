@@ -1,0 +1,81 @@
+r"""Compile a run's jitted steps for a TPU slice on this (CPU) machine: memory and cost model per chip.
+
+  python -m launch.preflight --config=configs/sft.py:qwen25vl_7b --config.grad_accum=2 --topology=v5p:4x4x4
+  python -m launch.preflight --config=configs/grpo.py:qwen25vl_7b --topology=v5p:4x4x4
+
+Needs libtpu (`pip install -r requirements-tpu.txt`, best in a venv of its own). Nothing runs on a
+TPU and nothing reaches a network. Exit 0: everything fits; 2: something does not (its largest
+buffers are named) or the command line is wrong (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "configs/sft.py:<preset> or configs/grpo.py:<preset>")
+_TOPOLOGY = flags.DEFINE_string("topology", "v5p:4x4x4", "TPU slice CHIP:AxB[xC], e.g. v5p:4x4x4, v5e:2x2")
+_ROWS = flags.DEFINE_integer("rows_per_chip", 0, "rows per chip per micro-batch; sets the global batch to "
+                             "rows x data*fsdp x grad_accum (0 = keep the config's batch)")
+_BUCKET = flags.DEFINE_integer("bucket", -1, "which of the config's (tokens, image tokens, windows) buckets")
+_DEPTH = flags.DEFINE_bool("extrapolate_depth", False, "compile at 1-2 layers and extrapolate linearly to the "
+                           "model's depth (for machines where compiling the whole model takes too long)")
+_JSON = flags.DEFINE_string("json_out", "", "also write the reports as JSON here")
+
+
+def _fail(msg: str):
+    print(f"preflight: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def main(argv):
+    del argv
+    from codedance_jax import preflight as pf
+
+    config = _CONFIG.value
+    if config is None:
+        _fail("--config is required, e.g. --config=configs/sft.py:qwen25vl_7b")
+    try:
+        pf.parse_topology(_TOPOLOGY.value)
+    except ValueError as e:
+        _fail(str(e))
+    pf.offline_tpu_env(_TOPOLOGY.value)  # before the TPU plugin loads
+    reason = pf.libtpu_available()
+    if reason:
+        _fail(reason)
+
+    from codedance_jax import preflight_plan as runs
+    from codedance_jax.train.batching import collate  # the real batch contract, at zero rows
+
+    def make_plan(depth=None):
+        return runs.plan_from_config(config, _TOPOLOGY.value, rows_per_chip=_ROWS.value, bucket=_BUCKET.value,
+                                     empty_batch=lambda bucket, vcfg: collate([], bucket, pad_id=0, vision_cfg=vcfg),
+                                     depth=depth)
+
+    try:
+        if _DEPTH.value:
+            cfg, _ = runs.model_config(config)
+            plan, reports = runs.compile_extrapolated(make_plan, cfg.text.num_hidden_layers, cfg.vision.depth)
+        else:
+            plan = make_plan()
+            reports = runs.compile_plan(plan)
+    except ValueError as e:
+        _fail(str(e))
+    print(plan.describe())
+    print(pf.format_table(reports, _TOPOLOGY.value))
+    if _JSON.value:
+        with open(_JSON.value, "w") as f:
+            json.dump({"topology": _TOPOLOGY.value, "plan": plan.describe(), "reports": [r.as_dict() for r in reports]},
+                      f, indent=1)
+    bad = [r for r in reports if not r.fits]
+    if bad:
+        print(f"preflight: does not fit {_TOPOLOGY.value}: " + ", ".join(
+            f"{r.name} needs {r.total_bytes / pf.GIB:.1f} GiB of {r.hbm_bytes / pf.GIB:.1f}" for r in bad), file=sys.stderr)
+        raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    app.run(main)
