@@ -60,11 +60,17 @@ def _two_processes(workdir):
 
 
 def _rows(workdir):
-    """step -> the last metrics row written for it."""
+    """step -> the last metrics row written for it (a partly written last line is skipped)."""
     out = {}
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return out
+    with open(path) as f:
         for line in f:
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
             out[row["step"]] = row
     return out
 
@@ -85,7 +91,11 @@ def test_two_processes_equal_one_and_resume_after_sigkill(tmp_path):
     procs = _two_processes(mp)  # alongside the reference: the machine's cores are shared either way
     ckpt1 = os.path.join(mp, "checkpoints", "1")
     deadline = time.time() + 600
-    while not os.path.isdir(ckpt1) and all(p.poll() is None for p in procs) and time.time() < deadline:
+
+    def step1_done():  # the metrics row is written after the checkpoint: wait for both
+        return os.path.isdir(ckpt1) and 1 in _rows(mp)
+
+    while not step1_done() and all(p.poll() is None for p in procs) and time.time() < deadline:
         time.sleep(0.05)
     for p in procs:
         os.killpg(p.pid, signal.SIGKILL)
