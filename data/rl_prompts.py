@@ -12,7 +12,7 @@ The dataset lives in `{data_dir}/rl_prompts/{name}/1.0.0/` (images as PNG bytes)
 `PromptSchedule` decides which prompts step s uses: epoch e is a permutation of all prompts drawn
 from (seed, e); step s takes the next `prompts_per_step` of the concatenated epochs. It has no
 state beyond the step number, so a resumed run draws exactly the prompts the killed one would
-have; each host reads its slice `[host::hosts]` of the step's prompts.
+have; each host reads its contiguous share `[host*n:(host+1)*n]` of the step's prompts.
 """
 
 from __future__ import annotations
@@ -204,4 +204,7 @@ class PromptSchedule:
         for k in range(start, start + self.prompts_per_step):
             e, i = divmod(k, self.num_prompts)
             out.append(int(self._epoch(e)[i]))
-        return out[host::hosts]
+        # Contiguous shares: the host-major allgather of the hosts' rows is then the global batch in
+        # one-process order (and the rollout seeds, offset by global row, match a one-process run).
+        n = len(out) // hosts
+        return out[host * n : (host + 1) * n]

@@ -4,6 +4,8 @@ Names (WORKSPACE.md, GRPO): the rollout summary (`accuracy avg_turns exec_succes
 tool_rate`, per `metric_keys` value), `reward/*` (R_BAT parts over the global batch), `a_seq_abs
 a_turn_abs groups_mixed format_ok`, `train/*`, `logprob_mismatch`, `time/*_s`, throughput and MFU.
 `time/checkpoint_s`, `compilations` and `step_time_s` are added by the loop after the checkpoint.
+With several processes `accuracy reward/* a_seq_abs a_turn_abs groups_mixed format_ok train/*` are
+over the global batch; the other rollout figures are process 0's share.
 """
 
 from __future__ import annotations
@@ -32,14 +34,18 @@ def metrics_row(sp: StepPrompts, ro: Rollouts, sc: Scores, b: GRPOBatch, up: Upd
     seq = int(local["input_ids"].shape[1])
     patches = float((local["unit_src"] >= 0).sum() * cfg.vision.merge_unit)
     fl = flops.train_flops(cfg, trained_tok * hosts, seq, patches * hosts)
-    groups = sc.acc.reshape(-1, group_size)
+    # Advantages, accuracy and format over the global batch (all hosts' rows): a multi-host run logs
+    # what a one-process run on the same prompts logs. The rollout summary is this host's trajectories.
+    g = sc.glob or {"acc": sc.acc, "fmt_ok": sc.fmt_ok, "a_seq": sc.a_seq, "a_turn": sc.a_turn}
+    groups = np.asarray(g["acc"]).reshape(-1, group_size)
     return {
         **{k: v for k, v in summ.items() if k != "n"},
         **{f"reward/{k}": float(np.mean(v)) for k, v in sc.parts.items()},
-        "a_seq_abs": float(np.mean(np.abs(sc.a_seq))),
-        "a_turn_abs": float(np.abs(sc.a_turn).sum() / max(1, (sc.a_turn != 0).sum())),
+        "accuracy": float(np.mean(g["acc"])),
+        "a_seq_abs": float(np.mean(np.abs(g["a_seq"]))),
+        "a_turn_abs": float(np.abs(g["a_turn"]).sum() / max(1, (g["a_turn"] != 0).sum())),
         "groups_mixed": float(np.mean(groups.min(axis=1) != groups.max(axis=1))),
-        "format_ok": float(np.mean(sc.fmt_ok)),
+        "format_ok": float(np.mean(g["fmt_ok"])),
         **{f"train/{k}": v for k, v in up.metrics.items()},
         "logprob_mismatch": b.logprob_mismatch,
         "time/rollout_s": ro.time_s, "time/decode_s": rstats.decode_s, "time/prefill_s": rstats.prefill_s,

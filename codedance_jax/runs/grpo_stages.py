@@ -98,6 +98,8 @@ class Scores:
     a_turn: np.ndarray  # float32[b, M]
     parts: dict[str, np.ndarray]  # the reward parts of the global batch (rbat_rewards), [B]
     time_s: float
+    # acc, fmt_ok, a_seq, a_turn of the global batch (all hosts' rows, host-major); None = the local ones
+    glob: dict[str, np.ndarray] | None = None
 
 
 @dataclasses.dataclass
@@ -175,12 +177,13 @@ def score(ctx: GRPOContext, sp: StepPrompts, ro: Rollouts) -> Scores:
     glob = [global_view(a) for a in (sc.acc, sc.fmt_ok, sc.turn_is_tool, sc.turn_failed)]
     a_seq, a_turn = (np.asarray(x) for x in rbat_advantages(*glob, group_size=g, cfg=ctx.rbat))
     parts = {k: np.asarray(v) for k, v in rbat_rewards(*glob, group_size=g, cfg=ctx.rbat).items()}
+    whole = {"acc": glob[0], "fmt_ok": glob[1], "a_seq": a_seq, "a_turn": a_turn}
     a_seq, a_turn = host_slice(a_seq, ctx.n_local), host_slice(a_turn, ctx.n_local)
     for i, t in enumerate(ro.trajectories):
         j = ctx.host * ctx.n_local + i
         t.rewards = {k: float(v[j]) for k, v in parts.items()}
         t.rewards.update(a_seq=float(a_seq[i]))
-    return Scores(sc.acc, sc.fmt_ok, a_seq, a_turn, parts, time.perf_counter() - t0)
+    return Scores(sc.acc, sc.fmt_ok, a_seq, a_turn, parts, time.perf_counter() - t0, whole)
 
 
 def save_trajectories(ctx: GRPOContext, ro: Rollouts, step: int) -> None:
