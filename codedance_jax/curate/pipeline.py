@@ -60,15 +60,15 @@ def ingest(config, workdir: str, log=print) -> list[dict[str, Any]]:
     s = config.source
     rows = []
     if s.kind == "toyworld":
+        from codedance_jax.curate.scripted import chance, wrong_answer
         from data.toyworld.expert import png_bytes
-        from codedance_jax.curate.scripted import _wrong, chance
 
         os.makedirs(os.path.join(workdir, "img"), exist_ok=True)
         for it in toy_items(s):
             rel = f"img/{it.id}.png"
             with open(os.path.join(workdir, rel), "wb") as f:
                 f.write(png_bytes(it.image))
-            answer = _wrong(it.answer) if chance(it.id, "corrupt") < s.corrupt_rate else it.answer
+            answer = wrong_answer(it.answer) if chance(it.id, "corrupt") < s.corrupt_rate else it.answer
             rows.append({"id": it.id, "question": it.question, "answer": answer, "image": rel,
                          "meta": {"family": it.family, "difficulty": it.difficulty, "true_answer": it.answer}})
     elif s.kind == "jsonl":

@@ -30,7 +30,6 @@ import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 from data.toyworld.expert import buggy_code, expert_code, png_bytes
 from data.toyworld.tasks import PALETTE
@@ -52,7 +51,7 @@ def chance(item_id: str, what: str) -> float:
     return int(hashlib.sha256(f"{item_id}/{what}".encode()).hexdigest()[:8], 16) / 2**32
 
 
-def _wrong(answer: str) -> str:
+def wrong_answer(answer: str) -> str:
     if answer.isdigit():
         return str(int(answer) + 1)
     return next(c for c in PALETTE if c != answer)
@@ -100,11 +99,11 @@ class ScriptedModel:
         if "Solve the following problem step by step" in prompt:
             if model.endswith("-weak"):
                 right = item.difficulty == "easy" or (item.family == "find" and sample % 2 == 1)
-                return f"<think>I look at the image.</think>\n<answer>{item.answer if right else _wrong(item.answer)}"\
+                return f"<think>I look at the image.</think>\n<answer>{item.answer if right else wrong_answer(item.answer)}"\
                        "</answer>"
             return f"<think>Looking closely at the image, the answer is {item.answer}.</think>\n" \
                    f"<answer>{item.answer}</answer>"
-        answer = _wrong(item.answer) if chance(iid, "wrong") < f.wrong_rate else item.answer
+        answer = wrong_answer(item.answer) if chance(iid, "wrong") < f.wrong_rate else item.answer
         box = ""
         if item.family == "find" and "box" in item.meta:
             b = list(item.meta["box"])
