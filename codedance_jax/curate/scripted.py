@@ -137,6 +137,7 @@ class ScriptedServer:
 
     def __init__(self, model: ScriptedModel, port: int = 0, delay_s: float = 0.0, names=("scripted",)):
         self.model, self.delay_s, self.requests, self.names = model, delay_s, 0, names
+        self.live = self.peak = 0  # requests in flight now / at most (the concurrency test reads it)
         self.lock = threading.Lock()
         outer = self
 
@@ -164,9 +165,15 @@ class ScriptedServer:
                 req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
                 with outer.lock:
                     outer.requests += 1
-                if outer.delay_s:
-                    time.sleep(outer.delay_s)
-                text = outer.model.reply(req.get("model", ""), req["messages"], int(req.get("seed") or 0))
+                    outer.live += 1
+                    outer.peak = max(outer.peak, outer.live)
+                try:
+                    if outer.delay_s:
+                        time.sleep(outer.delay_s)
+                    text = outer.model.reply(req.get("model", ""), req["messages"], int(req.get("seed") or 0))
+                finally:
+                    with outer.lock:
+                        outer.live -= 1
                 finish = "stop"
                 for s in req.get("stop") or []:
                     if s in text:
