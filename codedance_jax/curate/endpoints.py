@@ -103,8 +103,12 @@ class Endpoint:
         if not url and client is None:
             raise UserError(f"curate: the {role} endpoint has no url",
                             f"set --config.{role}.url=http://HOST:PORT/v1 (any OpenAI-compatible server)")
+        import logging
+
         import openai
 
+        # httpx logs one INFO line per request; set here, after whatever start-up reconfigured logging.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
         self.openai, self.role, self.model = openai, role, model
         base = (url or "").rstrip("/")
         base = base[: -len("/chat/completions")] if base.endswith("/chat/completions") else base

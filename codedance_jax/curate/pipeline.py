@@ -189,9 +189,6 @@ def endpoints(config, workdir: str, items: list[dict], log=print):
 # ------------------------------------------------------------------------------ run
 def run(config, workdir: str, log=print, stop_after: str = "") -> dict[str, Any]:
     """Every stage in order (each resumes), then the output and the report; returns the report."""
-    import logging
-
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     os.makedirs(workdir, exist_ok=True)
     items = ingest(config, workdir, log)
     from sandbox import SandboxPool
