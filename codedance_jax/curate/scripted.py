@@ -23,6 +23,7 @@ would, with deliberate faults at fixed per-item rates so that every filter has s
 from __future__ import annotations
 
 import base64
+import collections
 import dataclasses
 import hashlib
 import json
@@ -138,6 +139,7 @@ class ScriptedServer:
     def __init__(self, model: ScriptedModel, port: int = 0, delay_s: float = 0.0, names=("scripted",)):
         self.model, self.delay_s, self.requests, self.names = model, delay_s, 0, names
         self.live = self.peak = 0  # requests in flight now / at most (the concurrency test reads it)
+        self.bodies: collections.Counter = collections.Counter()  # sha256 of each request body -> times asked
         self.lock = threading.Lock()
         outer = self
 
@@ -162,9 +164,11 @@ class ScriptedServer:
             def do_POST(self):
                 if not self.path.rstrip("/").endswith("/chat/completions"):
                     return self._send(404, {"error": {"message": "not found"}})
-                req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                req = json.loads(raw)
                 with outer.lock:
                     outer.requests += 1
+                    outer.bodies[hashlib.sha256(raw).hexdigest()] += 1
                     outer.live += 1
                     outer.peak = max(outer.peak, outer.live)
                 try:
