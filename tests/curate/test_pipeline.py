@@ -99,7 +99,7 @@ def test_pipeline_end_to_end_writes_sft_jsonl_tfds_and_report(make_config, tmp_p
     assert len(trajs) == rep["kept"] > 0 and rep["tfds_records"] == rep["kept"]
     st = rep["stages"]
     assert st["validate"]["in"] == 12
-    for a, b in zip(pipeline.STAGES, pipeline.STAGES[1:]):
+    for a, b in zip(pipeline.STAGES, pipeline.STAGES[1:], strict=False):
         assert st[b]["in"] == st[a]["kept"]
         assert st[a]["in"] == st[a]["kept"] + sum(st[a]["dropped"].values())
     assert st["verify"]["kept"] == rep["kept"]
