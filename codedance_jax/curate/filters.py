@@ -18,7 +18,7 @@ from typing import Any
 
 from codedance_jax.rl.answers import accuracy_reward, extract_answer
 
-REASONS = ("no_answer", "answer_mismatch", "bad_box", "unrecovered_error", "too_long")
+REASONS = ("malformed", "no_answer", "answer_mismatch", "bad_box", "unrecovered_error", "too_long")
 BOX_RE = re.compile(r"[\[(]\s*(-?\d+(?:\.\d+)?)\s*,\s*(-?\d+(?:\.\d+)?)\s*,\s*(-?\d+(?:\.\d+)?)\s*,\s*"
                     r"(-?\d+(?:\.\d+)?)\s*[\])]")
 

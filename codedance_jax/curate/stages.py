@@ -14,7 +14,8 @@ when the stage removes it (`stagefile.run_stage` writes, resumes and counts). It
   Table 8 thinking, revised with code by Table 9 in one reply, spliced (`splice.splice`); hard ->
   multi-turn, one cell per turn, the real output sent back (`MULTI_TURN`), at most `max_turns`.
   Every cell of an item runs in order in one sandbox session holding `image.png`.
-- `rule_filter` (`filters.rule_reason`): drops by rule.
+- `rule_filter` (`filters.rule_reason`): drops by rule; first `malformed` for a record the SFT
+  format rejects (`data.trajectory.parse_record`, e.g. a reply holding `<|im_end|>`).
 - `cross_validate` (ours, from Table 7; verifier): drops `verifier_bad`, `verifier_unparsed`.
 """
 
@@ -31,6 +32,7 @@ from codedance_jax.curate import filters, splice, templates
 from codedance_jax.curate.endpoints import Endpoint, ask, image_part
 from codedance_jax.protocol import rl_question
 from codedance_jax.rl.answers import accuracy_reward
+from data.trajectory import RecordError, parse_record
 
 
 @dataclasses.dataclass
@@ -149,6 +151,10 @@ def synthesize(ctx: Context, row: dict) -> dict:
 
 
 def rule_filter(ctx: Context, row: dict) -> dict:
+    try:  # a reply holding chat special tokens would fail the TFDS build later: drop it here
+        parse_record({"id": row["id"], "images": row["images"], "messages": row["messages"]})
+    except RecordError as e:
+        return {**row, "drop": "malformed", "malformed": e.kind}
     with Image.open(io.BytesIO(ctx.image(row["image"]))) as im:
         size = im.size
     reason = filters.rule_reason(row, ctx.cfg.filters, size)

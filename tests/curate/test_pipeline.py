@@ -111,3 +111,11 @@ def test_pipeline_end_to_end_writes_sft_jsonl_tfds_and_report(make_config, tmp_p
     rep2 = pipeline.run(c, str(tmp_path), log=lambda s: None)
     assert all(v["requests"] == 0 for v in rep2["cache"].values())
     assert {k: v for k, v in rep2.items() if k != "cache"} == {k: v for k, v in rep.items() if k != "cache"}
+
+
+def test_reply_with_special_tokens_is_dropped_as_malformed(ctx):
+    c, items = ctx()
+    r = stages.stratify(c, items[0])
+    t = stages.synthesize(c, r)
+    t["messages"][-1]["content"] += "<|im_end|>"
+    assert stages.rule_filter(c, t)["drop"] == "malformed"
