@@ -97,26 +97,38 @@ class ResponseCache:
 class Endpoint:
     """One role's endpoint; see the module docstring."""
 
-    def __init__(self, url: str, model: str, *, role: str = "model", api_key_env: str = "OPENAI_API_KEY",
+    def __init__(self, url, model: str, *, role: str = "model", api_key_env: str = "OPENAI_API_KEY",
                  cache_path: str | None = None, concurrency: int = 4, timeout_s: float = 120.0, retries: int = 4,
                  client=None):
+        """`url`: the base URL, or a callable returning it, called on the first cache miss (so a
+        server that only this role needs, e.g. `launch.serve` for the weak model, starts only when
+        a request has to be sent: a resumed or finished run does not wait for it)."""
         if not url and client is None:
             raise UserError(f"curate: the {role} endpoint has no url",
                             f"set --config.{role}.url=http://HOST:PORT/v1 (any OpenAI-compatible server)")
-        import logging
-
         import openai
 
-        # httpx logs one INFO line per request; set here, after whatever start-up reconfigured logging.
-        logging.getLogger("httpx").setLevel(logging.WARNING)
         self.openai, self.role, self.model = openai, role, model
-        base = (url or "").rstrip("/")
-        base = base[: -len("/chat/completions")] if base.endswith("/chat/completions") else base
-        key = os.environ.get(api_key_env) or "EMPTY"  # a local server needs no key; the client wants one
-        self.client = client or openai.OpenAI(base_url=base, api_key=key, timeout=timeout_s, max_retries=retries)
+        self._url, self._api_key_env, self._timeout_s, self._retries = url, api_key_env, timeout_s, retries
+        self.client, self._start_lock = client, threading.Lock()
         self.slots = threading.BoundedSemaphore(max(1, concurrency))
         self.cache = ResponseCache(cache_path)
         self.requests = 0  # made over the network by this process (cache misses that were sent)
+
+    def _client(self):
+        with self._start_lock:
+            if self.client is None:
+                import logging
+
+                url = self._url() if callable(self._url) else self._url
+                # httpx logs one INFO line per request; set here, after whatever start-up reconfigured logging.
+                logging.getLogger("httpx").setLevel(logging.WARNING)
+                base = url.rstrip("/")
+                base = base[: -len("/chat/completions")] if base.endswith("/chat/completions") else base
+                key = os.environ.get(self._api_key_env) or "EMPTY"  # a local server needs no key; the client wants one
+                self.client = self.openai.OpenAI(base_url=base, api_key=key, timeout=self._timeout_s,
+                                                 max_retries=self._retries)
+            return self.client
 
     def key(self, messages: list[dict[str, Any]], params: dict[str, Any], sample: int) -> str:
         blob = json.dumps({"model": self.model, "messages": messages, "params": params, "sample": sample},
@@ -138,7 +150,7 @@ class Endpoint:
         with self.slots:
             self.requests += 1
             try:
-                r = self.client.chat.completions.create(**kwargs)
+                r = self._client().chat.completions.create(**kwargs)
                 text = r.choices[0].message.content or ""
             except (self.openai.OpenAIError, IndexError, AttributeError) as e:
                 raise EndpointError(f"{self.role} ({self.model}): {type(e).__name__}: {e}") from e

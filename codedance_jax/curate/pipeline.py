@@ -15,7 +15,8 @@ Each stage file holds kept and dropped rows (`"drop": reason`) and resumes on it
 (`stagefile`). Roles (`config.judge`, `.weak`, `.teacher`, `.verifier`): `url` + `model` +
 `api_key_env`; `url="scripted"` starts the toy world's scripted stand-in (`scripted.py`) in this
 process; `serve="random_tiny"` (or a checkpoint path) starts `python -m launch.serve` on it and
-uses that as the role's url.
+uses that as the role's url. Both start on a role's first cache miss, so a resumed run whose weak
+stage is done never waits for `launch.serve`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -110,7 +112,6 @@ class _ServeProcess:
 
     def __init__(self, ckpt: str, extra: tuple[str, ...], log):
         import re
-        import threading
 
         cmd = [sys.executable, "-m", "launch.serve", f"--checkpoint={ckpt}", "--port=0", "--noagent", *extra]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -160,24 +161,39 @@ def _weak_checkpoint(spec: str, workdir: str) -> str:
 def endpoints(config, workdir: str, items: list[dict], log=print):
     """The four role endpoints, starting the scripted stand-in and launch.serve where configured."""
     with contextlib.ExitStack() as stack:
+        scripted = []
+
+        def start_scripted() -> str:
+            if not scripted:
+                from codedance_jax.curate.scripted import Faults, ScriptedModel, ScriptedServer
+
+                scripted.append(ScriptedServer(ScriptedModel(toy_items(config.source), Faults(**config.scripted))))
+                stack.callback(scripted[0].close)
+                log(f"scripted stand-in teacher/judge/verifier at {scripted[0].base_url}")
+            return scripted[0].base_url
+
+        def start_serve(rc) -> str:
+            sp = _ServeProcess(_weak_checkpoint(rc.serve, workdir), tuple(rc.get("serve_flags", ())), log)
+            stack.callback(sp.close)
+            return sp.url
+
+        lock = threading.Lock()
+
+        def lazy(fn, *args):
+            def start():
+                with lock:  # roles start their servers one at a time
+                    return fn(*args)
+            return start
+
         urls = {}
-        scripted = None
         for role in ROLES:
             rc = config[role]
-            url = rc.url
             if rc.get("serve", ""):
-                sp = _ServeProcess(_weak_checkpoint(rc.serve, workdir), tuple(rc.get("serve_flags", ())), log)
-                stack.callback(sp.close)
-                url = sp.url
-            elif url == "scripted":
-                if scripted is None:
-                    from codedance_jax.curate.scripted import Faults, ScriptedModel, ScriptedServer
-
-                    scripted = ScriptedServer(ScriptedModel(toy_items(config.source), Faults(**config.scripted)))
-                    stack.callback(scripted.close)
-                    log(f"scripted stand-in teacher/judge/verifier at {scripted.base_url}")
-                url = scripted.base_url
-            urls[role] = url
+                urls[role] = lazy(start_serve, rc)
+            elif rc.url == "scripted":
+                urls[role] = lazy(start_scripted)
+            else:
+                urls[role] = rc.url
         eps = {role: Endpoint(urls[role], config[role].model, role=role, api_key_env=config[role].api_key_env,
                               cache_path=os.path.join(workdir, "cache", f"{role}.jsonl"),
                               concurrency=config[role].concurrency, timeout_s=config[role].timeout_s,
