@@ -146,14 +146,22 @@ class _ServeProcess:
 
 
 def _weak_checkpoint(spec: str, workdir: str) -> str:
+    """`spec`, or for "random_tiny" a tiny random checkpoint (weights drawn in numpy: no compile)."""
     if spec != "random_tiny":
         return spec
     path = os.path.join(workdir, "weak_ckpt")
     if not os.path.exists(os.path.join(path, "config.json")):
+        from codedance_jax.checkpoint import hf
+        from codedance_jax.checkpoint.build import model_from_tensors
         from codedance_jax.model.config import ModelConfig
-        from codedance_jax.quickstart import make_random_checkpoint
+        from codedance_jax.processing.reference_files import write_qwen25vl_processor_files
 
-        make_random_checkpoint(path, ModelConfig.tiny())
+        rng = np.random.default_rng(0)
+        model = model_from_tensors(ModelConfig.tiny(), lambda r: (0.05 * rng.standard_normal(r.hf_shape)).astype(
+            np.float32) + (1.0 if "norm" in r.hf_name else 0.0))
+        hf.export_hf(model, path + ".tmp")
+        write_qwen25vl_processor_files(path + ".tmp", max_pixels=448 * 448)
+        os.replace(path + ".tmp", path)
     return path
 
 
