@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
     "codedance_jax.runs": 4,  # applications: the SFT / GRPO run loops,
     "codedance_jax.demo": 4,  # the demo,
     "codedance_jax.quickstart": 4,  # the quickstart (launch.ask),
+    "codedance_jax.curate": 4,  # the SFT data curation pipeline (launch.curate),
     "data.toyworld": 4,  # and the toy world
     "configs": 5,
     "launch": 6,
