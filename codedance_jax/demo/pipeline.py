@@ -122,6 +122,8 @@ def run(c, workdir: str) -> dict:
     from codedance_jax.runs import sft as sft_run
 
     workdir = os.path.abspath(workdir)
+    # Config errors before any work (nothing written yet): the reward and loss of the GRPO phase.
+    grpo_run.rbat_config(c.grpo.rbat), grpo_run.loss_config(c.grpo.loss)
     os.makedirs(workdir, exist_ok=True)
     c = ml_collections.ConfigDict(c.to_dict())
     timings = {}
