@@ -1,4 +1,5 @@
-"""A dataset build that fails leaves nothing behind: `removed_on_failure(dataset_dir)`.
+"""A dataset build that fails leaves nothing behind (`removed_on_failure`), and says why in our words
+(`prepare`: a UserError raised inside the generator surfaces unwrapped).
 
 TFDS writes shards into a temporary directory under the dataset's and keeps it when the
 generator raises; a user who fixes the data and re-runs should find the workdir as before.
@@ -32,4 +33,21 @@ def removed_on_failure(dataset_dir: str | os.PathLike):
     except BaseException:
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
+        raise
+
+
+def prepare(builder, dataset_dir: str | os.PathLike) -> None:
+    """`builder.download_and_prepare()`, leaving nothing behind on failure. TFDS wraps errors raised
+    inside the generator; a `UserError` among the causes is re-raised as itself."""
+    from codedance_jax.errors import UserError
+
+    try:
+        with removed_on_failure(dataset_dir):
+            builder.download_and_prepare()
+    except Exception as e:
+        cause = e
+        while cause is not None and not isinstance(cause, UserError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None and cause is not e:
+            raise cause from None
         raise

@@ -27,8 +27,8 @@ import numpy as np
 import tensorflow_datasets as tfds
 from PIL import Image
 
-from codedance_jax.errors import DataError, MissingPathError, UserError
-from data.failed_build import removed_on_failure
+from codedance_jax.errors import DataError, MissingPathError
+from data import failed_build
 
 DATA_VERSION = "1.0.0"
 BUILDER_NAME = "rl_prompts"
@@ -147,16 +147,7 @@ def build_prompts(jsonl_paths: Sequence[str | os.PathLike], data_dir: str | os.P
         # Check every record before TFDS writes anything (cheap: no image is read here).
         if not sum(len(read_prompts_jsonl(p, load_images=False)) for p in paths):
             raise DataError(f"{', '.join(paths)}: no prompts (empty files)", "give one prompt object per line")
-        try:
-            with removed_on_failure(dataset_dir(data_dir, name)):
-                builder.download_and_prepare()
-        except Exception as e:  # TFDS wraps errors raised in the generator: surface ours
-            cause = e
-            while cause is not None and not isinstance(cause, UserError):
-                cause = cause.__cause__ or cause.__context__
-            if cause is not None and cause is not e:
-                raise cause from None
-            raise
+        failed_build.prepare(builder, dataset_dir(data_dir, name))
     return builder.info.splits["train"].num_examples
 
 

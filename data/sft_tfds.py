@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow_datasets as tfds
 
-from codedance_jax.errors import ConfigError, MissingPathError, UserError
-from data.failed_build import removed_on_failure
+from codedance_jax.errors import ConfigError, MissingPathError
+from data import failed_build
 from data.trajectory import DataReport, Message, Trajectory, read_jsonl
 
 DATA_VERSION = "1.0.0"
@@ -127,17 +127,7 @@ def build_dataset(
     if builder.is_prepared() and os.path.isfile(report_file):
         with open(report_file) as f:
             return DataReport.from_json(json.load(f))
-    try:
-        with removed_on_failure(dataset_dir(data_dir, name)):
-            builder.download_and_prepare()
-    except Exception as e:
-        # TFDS may wrap errors raised inside the generator; surface ours unchanged.
-        cause = e
-        while cause is not None and not isinstance(cause, UserError):
-            cause = cause.__cause__ or cause.__context__
-        if cause is not None and cause is not e:
-            raise cause from None
-        raise
+    failed_build.prepare(builder, dataset_dir(data_dir, name))
     with open(report_file, "w") as f:
         json.dump(builder.report.to_json(), f, indent=2)
     return builder.report
