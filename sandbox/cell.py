@@ -177,15 +177,23 @@ def _run_cell(msg, namespace, cfg, res_w, out_w, err_w) -> bool:
             s.flush()
         except Exception:  # noqa: BLE001
             pass
+    # The supervisor may have closed the result pipe already: it took a frame the cell forged
+    # as this cell's result (then this process is the next holder and must go on as one), or it
+    # timed the cell out (then it kills us anyway). A closed pipe is no reason to die here.
     for png in images:
         # One frame per image: a few large images together would exceed the frame cap.
         try:
             wire.write_fd(res_w, {"kind": "image", "png": base64.b64encode(png).decode()})
         except wire.FrameError:
             _say("[sandbox] an image too large to return was dropped\n")
+        except OSError:
+            break
     if status == "ok":
         _reset_process_state()
-    wire.write_fd(res_w, {"kind": "result", "status": status, "pid": me})
+    try:
+        wire.write_fd(res_w, {"kind": "result", "status": status, "pid": me})
+    except OSError:
+        pass
     if status != "ok":
         return False
     devnull = _open(os.devnull, os.O_RDWR)

@@ -44,7 +44,11 @@ NEAR_CAP = ("import base64, io\nfrom PIL import Image\nb = io.BytesIO()\n"
     "b'{\"kind\": \"result\", \"status\": \"ok\", \"pid\": 1.5, \"images\": 7}'",
     "body",                                                                  # a reply over the cap
     "b'\\xff\\xfe not json'",
-], ids=["nested", "huge-wait-status", "wait-status-list", "bad-types", "near-cap", "garbage"])
+    # A valid early result: the supervisor takes this process as the next holder and closes the
+    # result pipe while user code still runs; the cell's own result then meets a closed pipe.
+    "b'{\"kind\": \"result\", \"status\": \"ok\", \"pid\": %d}' % os.getpid()",
+], ids=["nested", "huge-wait-status", "wait-status-list", "bad-types", "near-cap", "garbage",
+        "early-result"])
 def test_forged_frames_get_a_result_and_keep_the_session(pool, forged):
     with pool.new_session() as s:
         assert s.execute("state = 'kept'").status == "ok"
