@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
+import fcntl
 import itertools
 import json
 import logging
@@ -30,6 +31,30 @@ log = logging.getLogger("sandbox")
 _GRACE_S = 10.0  # how long past its own limit a supervisor may take before we kill the session
 _UID_BASE = 200_000  # session uids: unused on these machines; the zygote gives each live session
 # its own from a range of 1000 per pool
+_UID_BLOCKS = 100  # pools that can live on one host at once (uids 200000..299999)
+_UID_LOCK_DIR = "/run/codedance-sandbox" if os.path.isdir("/run") else "/tmp/codedance-sandbox"
+
+
+def _claim_uid_block() -> tuple[int, int]:
+    """(lock fd, first uid) of a uid range no other live pool on this host holds.
+
+    Two pools sharing uids would give sessions of one a uid of the other's (the kernel keeps
+    per-uid state such as keyrings), so each pool holds an flock on its block's file for its
+    lifetime; a crashed pool's lock goes with its process. Tried from pid % blocks upwards."""
+    d = _UID_LOCK_DIR
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    start = os.getpid() % _UID_BLOCKS
+    for i in range(_UID_BLOCKS):
+        k = (start + i) % _UID_BLOCKS
+        fd = os.open(os.path.join(d, f"uids-{k}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return fd, _UID_BASE + k * 1000
+    raise SandboxError(f"all {_UID_BLOCKS} sandbox uid ranges are held by live pools on this host "
+                       f"(lock files in {d}); close a pool first")
 _req_counter = itertools.count()
 
 
@@ -67,8 +92,8 @@ class SandboxPool:
                            max_images=max_images, max_image_pixels=max_image_pixels,
                            cpus_per_session=cpus_per_session)
         spares = min(num_workers, 4) if spare_sessions is None else int(spare_sessions)
-        zcfg = dict(self.config, spare_sessions=spares,
-                    uid_base=_UID_BASE + (os.getpid() % 100) * 1000)
+        self._uid_lock, uid_base = _claim_uid_block()
+        zcfg = dict(self.config, spare_sessions=spares, uid_base=uid_base)
         ours, theirs = socket.socketpair()
         pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         # No HOME or anything else of the trainer's: sessions can read this start-up environment.
@@ -89,10 +114,12 @@ class SandboxPool:
             hello, _ = wire.recv_sock(ours)
         except wire.FrameError:
             self._proc.kill()
+            os.close(self._uid_lock)
             raise SandboxError(f"the sandbox zygote exited during start-up (code "
                                f"{self._proc.wait()}); see its traceback above") from None
         if hello.get("op") != "hello":
             self._proc.kill()
+            os.close(self._uid_lock)
             raise SandboxError(hello.get("error", f"unexpected zygote reply {hello}"))
         self.layers = hello["layers"]
         for layer, why in self.layers["missing"].items():
@@ -150,6 +177,7 @@ class SandboxPool:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+        os.close(self._uid_lock)  # the uid range is free for the next pool
         self._executor.shutdown(wait=True, cancel_futures=True)
         atexit.unregister(self.close)
 

@@ -196,3 +196,29 @@ def test_pool_without_spare_sessions(pool):
     with SandboxPool(num_workers=1, timeout_s=2.0, memory_mb=256, spare_sessions=0) as p:
         with p.new_session(files={"f.txt": b"hi"}) as s:
             assert s.execute("print(open('f.txt').read())").stdout == "hi\n"
+
+
+def test_pools_alive_at_once_use_disjoint_uids(pool):
+    """Each live pool holds its own uid range (an flock per range), so no session of one pool
+    shares a uid with a session of another, even from the same process (same pid modulo)."""
+    from sandbox import SandboxPool
+
+    def uid(p):
+        with p.new_session() as s:
+            r = s.execute("import os\nprint(os.getuid())")
+            assert r.status == "ok", r.stderr
+            return int(r.stdout)
+
+    import fcntl
+
+    from sandbox import pool as pool_module
+
+    with SandboxPool(num_workers=1, timeout_s=2.0, memory_mb=256, spare_sessions=0) as p:
+        a, b = uid(pool), uid(p)
+        assert a // 1000 != b // 1000, (a, b)
+        lock = os.path.join(pool_module._UID_LOCK_DIR, f"uids-{(b - pool_module._UID_BASE) // 1000}.lock")
+        fd = os.open(lock, os.O_RDWR)
+        with pytest.raises(BlockingIOError):  # held while the pool lives
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # and given back when it closes
+    os.close(fd)
