@@ -3,12 +3,13 @@
     WORKDIR/items.jsonl        ingest: the candidate items (+ img/ID.png)
     WORKDIR/validate.jsonl     Table 5 informativeness + Table 7 QA validation (judge)
     WORKDIR/stratify.jsonl     pass@k of the weak model -> trivial / medium / hard (Table 8)
-    WORKDIR/synthesize.jsonl   teacher trajectories, every cell run in the sandbox (Tables 8, 9, ours)
+    WORKDIR/synthesize.jsonl   teacher trajectories, every cell run in the sandbox (Tables 6, 8, 9, ours)
     WORKDIR/filter.jsonl       rule filters
     WORKDIR/verify.jsonl       cross-validation GOOD/BAD (verifier)
     WORKDIR/sft.jsonl          the kept trajectories in the SFT format (`launch.sft --config.data.jsonl=`)
     WORKDIR/tfds/              their TFDS build (`data.sft_tfds.build_dataset`, name "curated")
     WORKDIR/report.json, report.html   counts per stage and reason, difficulty histogram, examples
+                               (`output.report_kept` kept, `output.report_per_reason` per drop reason)
     WORKDIR/cache/ROLE.jsonl   every endpoint reply (a re-run pays nothing twice)
 
 Each stage file holds kept and dropped rows (`"drop": reason`) and resumes on its own
@@ -32,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from codedance_jax.curate import grounding, stages
 from codedance_jax.curate import report as report_lib
-from codedance_jax.curate import stages
 from codedance_jax.curate.endpoints import Endpoint
 from codedance_jax.curate.stagefile import kept, read_stage, run_stage
 from codedance_jax.errors import UserError
@@ -218,6 +219,7 @@ def run(config, workdir: str, log=print, stop_after: str = "") -> dict[str, Any]
     from sandbox import SandboxPool
 
     w = config.workers
+    grounding.check(config.synthesize.grounding)
     with endpoints(config, workdir, items, log) as eps, \
             SandboxPool(num_workers=config.sandbox.workers, timeout_s=config.sandbox.timeout_s,
                         memory_mb=config.sandbox.memory_mb) as pool:
@@ -266,11 +268,24 @@ def write_output(config, workdir: str, items: list[dict], cache: dict, log=print
     }
     with open(os.path.join(workdir, "report.json"), "w") as f:
         json.dump(report, f, indent=2)
+    out = config.output
     report_lib.write_html(os.path.join(workdir, "report.html"), report, workdir,
-                          kept_rows=final[:3], dropped_rows=[r for n in ("filter", "verify")
-                                                             for r in read_stage(workdir, n) if r.get("drop")][:3])
+                          kept_rows=final[: out.get("report_kept", 4)],
+                          dropped=dropped_examples(workdir, out.get("report_per_reason", 2)))
     log(f"curate: {len(items)} items -> {len(final)} trajectories in {sft}; report {workdir}/report.json")
     return report
+
+
+def dropped_examples(workdir: str, per_reason: int) -> list[tuple[str, str, list[dict]]]:
+    """(stage, reason, its first `per_reason` dropped rows, at least one) for every reason of every stage."""
+    out = []
+    for name in STAGES:
+        by: dict[str, list[dict]] = {}
+        for r in read_stage(workdir, name):
+            if r.get("drop"):
+                by.setdefault(r["drop"], []).append(r)
+        out += [(name, reason, rows[: max(1, per_reason)]) for reason, rows in sorted(by.items())]
+    return out
 
 
 def _counts(rows: list[dict]) -> dict[str, Any]:
