@@ -3,6 +3,7 @@ crop run for real in the sandbox (its image is the marked region), single turn f
 real crop sent back to the teacher for hard ones, and the drops (`no_box`, `bad_box`)."""
 
 import io
+import json
 import os
 
 import numpy as np
@@ -118,3 +119,28 @@ def test_crop_code_runs_alone(pool):
     assert r.status == "ok" and "crop (10, 5, 30, 25) of (60, 40) enlarged to (100, 100)" in r.stdout
     crop = np.asarray(Image.open(io.BytesIO(r.images[0])).convert("RGB"))
     assert crop.shape == (100, 100, 3) and np.all(crop == (255, 0, 0))
+
+
+def test_grounding_trajectory_featurizes_for_sft(ctx, tmp_path):
+    """The record as `sft.jsonl` holds it -> `data.featurize` (what `launch.sft` runs): the crop turn and
+    the answer are trained tokens, the real observation is not, and the crop is the second image."""
+    from codedance_jax.model.config import ModelConfig
+    from codedance_jax.processing import Processor, write_qwen25vl_processor_files
+    from codedance_jax.train.batching import Bucket
+    from data.featurize import featurize
+    from data.trajectory import read_jsonl
+
+    c, items = ctx()
+    t = stages.synthesize(c, _medium_find(c, items))
+    path = os.path.join(c.workdir, "one.jsonl")
+    with open(path, "w") as f:
+        f.write(json.dumps({"id": t["id"], "images": t["images"], "messages": t["messages"]}) + "\n")
+    (traj,) = read_jsonl([path])
+    write_qwen25vl_processor_files(tmp_path / "proc", max_pixels=448 * 448)
+    proc = Processor.from_pretrained(tmp_path / "proc")
+    ex = featurize(traj, proc, ModelConfig.tiny(), [Bucket(1024, 256, 32)])
+    assert ex.bucket == 0 and len(ex.grid_thw) == 2
+    trained, untrained = proc.decode(ex.input_ids[ex.trained].tolist()), proc.decode(ex.input_ids[~ex.trained].tolist())
+    assert "crop = img.crop(box)" in trained and f"<answer>{t['answer']}</answer>" in trained
+    real = t["messages"][2]["content"].splitlines()[0]  # "crop (x1, y1, x2, y2) of (W, H) enlarged to (w, h)"
+    assert real in untrained and real not in trained
