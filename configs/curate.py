@@ -8,6 +8,8 @@ r"""SFT data curation configs (paper section 3.2, appendix 7.1-7.2; `codedance_j
 
 Each role is `url` + `model` + `api_key_env` (the variable holding its key; unset = no key), with
 `concurrency` (requests in flight), `timeout_s` and `retries` (the openai client's backoff).
+`serve` (a checkpoint path, or "random_tiny") starts launch.serve on it for the role: a subprocess
+(`serve_mode="process"`) or our engine in this process (`serve_mode="inprocess"`).
 `toy`: the toy world; the weak model is our served tiny policy (`serve="random_tiny"`: a random
 tiny checkpoint behind `python -m launch.serve`), teacher / judge / verifier the scripted stand-in
 (`url="scripted"`, `codedance_jax/curate/scripted.py`, with fault rates that exercise each filter).
@@ -18,7 +20,8 @@ import ml_collections
 
 def _role(url="", model="", concurrency=4, timeout_s=120.0, retries=4, serve=""):
     return ml_collections.ConfigDict(dict(url=url, model=model, api_key_env="OPENAI_API_KEY", concurrency=concurrency,
-                                          timeout_s=timeout_s, retries=retries, serve=serve, serve_flags=()))
+                                          timeout_s=timeout_s, retries=retries, serve=serve, serve_flags=(),
+                                          serve_mode="process"))
 
 
 def get_config(preset: str = "toy") -> ml_collections.ConfigDict:
