@@ -205,6 +205,7 @@ class RolloutEngine:
                 f"rollout batch_multiple={self.cfg.batch_multiple} is not a multiple of the mesh's data axis "
                 f"({self.mesh.shape['data']}): the batch's rows could not be split over it",
                 "set rollout.batch_multiple to a multiple of mesh.data")
+        self._cache_makers: dict = {}
         self.sampling = sampling or SamplingConfig()
         self.fmt = get_turn_format(self.cfg.turn_format)
         mcfg = model.cfg
@@ -376,9 +377,12 @@ class RolloutEngine:
         """A fresh cache of b rows, created already split over the data axis (never whole on one device)."""
         if self.mesh is None:
             return self.model.init_cache(b, slots, dtype)
-        make = lambda: self.model.init_cache(b, slots, dtype)  # noqa: E731 - reads only the model's config
-        shapes = jax.eval_shape(make)
-        return jax.jit(make, out_shardings=jax.tree.map(lambda a: sharding.row_sharding(self.mesh, a.shape), shapes))()
+        key = (b, slots, None if dtype is None else jnp.dtype(dtype).name)
+        if key not in self._cache_makers:  # one compile per cache shape, as the other jitted steps
+            make = lambda: self.model.init_cache(b, slots, dtype)  # noqa: E731 - reads only the model's config
+            shard = jax.tree.map(lambda a: sharding.row_sharding(self.mesh, a.shape), jax.eval_shape(make))
+            self._cache_makers[key] = jax.jit(make, out_shardings=shard)
+        return self._cache_makers[key]()
 
     def row_shardings(self) -> dict[str, str] | None:
         """PartitionSpecs of the batch's device arrays (KV cache keys, validity, logits) as strings;

@@ -88,6 +88,8 @@ def test_scripted_code_turns_on_a_row_subset_keep_the_split(tiny_checkpoint, six
             for arr in (eng.cache.k[0], eng.cache.v[-1], eng.cache.valid, eng.cache.next_pos, eng.logits):
                 assert arr.sharding.spec[0] == "data", arr.sharding
                 assert {s.data.shape[0] for s in arr.addressable_shards} == {arr.shape[0] // 4}
+            again = policy(prompts)  # nothing compiles twice on the split (the cache's creation included)
+            assert policy.stats[-1]["compiles"] == 0 and [t.tokens for t in again] == [t.tokens for t in out[name]]
     split, whole = out["split"], out["whole"]
     assert [t.turn_status[0] for t in split[::2]] == ["crashed"] * 3  # code without a sandbox: an error observation
     assert all(len(t.turn_status) == 2 for t in split[::2])  # ... appended, then a second turn
