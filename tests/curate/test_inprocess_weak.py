@@ -15,6 +15,6 @@ def test_stratify_with_the_engine_in_process(tmp_path):
     assert any("in-process server" in m for m in logs)
     rows = read_stage(str(tmp_path), "stratify")
     assert rows and all(r["difficulty"] == "hard" and r["pass_rate"] == 0.0 for r in rows)  # random weights
-    assert [r["id"] for r in rows] == [r["id"] for r in read_stage(str(tmp_path), "validate") if not r.get("drop")]
+    assert {r["id"] for r in rows} == {r["id"] for r in read_stage(str(tmp_path), "validate") if not r.get("drop")}
     cache = (tmp_path / "cache" / "weak.jsonl").read_text().splitlines()
     assert len(cache) == c.stratify.k * len(rows)  # every sample asked once, over HTTP
