@@ -289,3 +289,23 @@ def constrain_like_params(tree):
         return v.replace(jax.lax.with_sharding_constraint(v[...], sh))
 
     return jax.tree.map(one, tree, is_leaf=lambda x: hasattr(x, "get_metadata"))
+
+
+# ---------------------------------------------------------------- rows over the data axis (inference)
+# Batched generation (evaluation rollouts) splits its rows over the mesh's `data` axis: each data
+# slice decodes its own rows against the parameters laid out by `param_shardings` (replicated over
+# `data`). Only the row dimension is given; XLA propagates it through the jitted cache steps.
+
+
+def row_sharding(mesh: jax.sharding.Mesh, shape, batch_dim: int = 0, axis: str = "data") -> NamedSharding:
+    """Dimension `batch_dim` of `shape` split over the mesh `axis`, the rest replicated. A scalar, or
+    rows that the axis does not divide, are fully replicated."""
+    spec = [None] * len(shape)
+    if len(shape) > batch_dim and shape[batch_dim] % mesh.shape[axis] == 0:
+        spec[batch_dim] = axis
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def place_rows(x, mesh: jax.sharding.Mesh, batch_dim: int = 0, axis: str = "data"):
+    """`x` (host or device array) on `mesh` with its rows split over `axis` (see `row_sharding`)."""
+    return jax.device_put(x, row_sharding(mesh, np.shape(x), batch_dim, axis))

@@ -8,6 +8,8 @@ r"""SFT data curation configs (paper section 3.2, appendix 7.1-7.2; `codedance_j
 
 Each role is `url` + `model` + `api_key_env` (the variable holding its key; unset = no key), with
 `concurrency` (requests in flight), `timeout_s` and `retries` (the openai client's backoff).
+`serve` (a checkpoint path, or "random_tiny") starts launch.serve on it for the role: a subprocess
+(`serve_mode="process"`) or our engine in this process (`serve_mode="inprocess"`).
 `toy`: the toy world; the weak model is our served tiny policy (`serve="random_tiny"`: a random
 tiny checkpoint behind `python -m launch.serve`), teacher / judge / verifier the scripted stand-in
 (`url="scripted"`, `codedance_jax/curate/scripted.py`, with fault rates that exercise each filter).
@@ -18,7 +20,8 @@ import ml_collections
 
 def _role(url="", model="", concurrency=4, timeout_s=120.0, retries=4, serve=""):
     return ml_collections.ConfigDict(dict(url=url, model=model, api_key_env="OPENAI_API_KEY", concurrency=concurrency,
-                                          timeout_s=timeout_s, retries=retries, serve=serve, serve_flags=()))
+                                          timeout_s=timeout_s, retries=retries, serve=serve, serve_flags=(),
+                                          serve_mode="process"))
 
 
 def get_config(preset: str = "toy") -> ml_collections.ConfigDict:
@@ -34,11 +37,20 @@ def get_config(preset: str = "toy") -> ml_collections.ConfigDict:
     c.stratify = ml_collections.ConfigDict(dict(k=8, temperature=1.0, max_tokens=1024, trivial_rate=1.0,
                                                 medium_rate=0.125, trivial="direct"))  # direct | drop
     c.synthesize = ml_collections.ConfigDict(dict(max_tokens=4096, max_turns=6, max_images=4))
+    # Grounding (crop) trajectories from the Table 6 box for items that need localisation, instead of the
+    # Table 9 revision (codedance_jax/curate/grounding.py). select: off | all | meta (meta[meta_key] in
+    # meta_values: a task column of the source JSONL) | question (question_regex matches).
+    c.synthesize.grounding = ml_collections.ConfigDict(dict(
+        select="meta", meta_key="task", meta_values=("grounding", "crop"),
+        question_regex=r"(?i)\b(zoom|crop|marked|highlighted|small|tiny|box(ed)?|region)\b",
+        zoom_px=448, max_tokens=512))
     c.filters = ml_collections.ConfigDict(dict(min_box_frac=0.0005, max_box_frac=0.9, max_turn_chars=8000,
                                                max_cells=8))
     c.verify = ml_collections.ConfigDict(dict(max_tokens=16))
     c.sandbox = ml_collections.ConfigDict(dict(workers=4, timeout_s=30.0, memory_mb=1024))
-    c.output = ml_collections.ConfigDict(dict(tfds=True, tfds_name="curated"))
+    # report.html: up to report_kept kept trajectories, and up to report_per_reason dropped items for every
+    # drop reason of every stage (so each reason is shown at least once).
+    c.output = ml_collections.ConfigDict(dict(tfds=True, tfds_name="curated", report_kept=4, report_per_reason=2))
     # Fault rates of the scripted stand-in (only used where a role's url is "scripted").
     c.scripted = ml_collections.ConfigDict(dict(uninformative_rate=0.0, wrong_rate=0.0, bad_box_rate=0.0,
                                                 bug_rate=0.0, unrecovered_rate=0.0, verifier_bad_rate=0.0))
@@ -51,6 +63,7 @@ def get_config(preset: str = "toy") -> ml_collections.ConfigDict:
         c.workers = 4
         c.stratify.k, c.stratify.max_tokens, c.stratify.medium_rate = 2, 16, 0.5
         c.synthesize.max_tokens = 1024
+        c.synthesize.grounding.update(dict(meta_key="family", meta_values=("find",), zoom_px=112))
         c.sandbox.workers, c.sandbox.memory_mb = 2, 512
         c.scripted.update(dict(uninformative_rate=0.1, wrong_rate=0.1, bad_box_rate=0.3, bug_rate=0.5,
                                unrecovered_rate=0.3, verifier_bad_rate=0.1))

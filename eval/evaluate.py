@@ -82,6 +82,7 @@ def evaluate(config, workdir: str) -> dict:
             policy_path=os.path.abspath(config.checkpoint),
             turn_format=config.turn_format,
             rollout=dict(config.rollout),
+            mesh=mesh,  # rows over the data axis (config.mesh.data > 1); parameters as from_pretrained laid them
         )
         summary = run_eval(
             config.benchmark, items, policy, run_dir, batch_size=config.batch_size, judge=judge, log=logging.info

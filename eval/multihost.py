@@ -8,7 +8,8 @@ Process p's files live in `WORKDIR/processes/p/`; process 0 merges their predict
 benchmark's item order), trajectories (image paths rewritten relative to WORKDIR) into WORKDIR's
 predictions.jsonl / predictions.tsv / trajectories.jsonl and writes one summary and report.
 Resuming needs the same process count (the shares are by position). Each process loads the model
-on its own devices: an evaluation batch is not split across processes' devices.
+on its own devices: an evaluation batch is not split across processes' devices (within a process
+its rows are split over the local mesh's `data` axis, `config.mesh.data`).
 """
 
 from __future__ import annotations

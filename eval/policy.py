@@ -39,7 +39,8 @@ class RolloutPolicy:
 
     `rollout`: RolloutConfig fields (token budgets, buckets, observation limits); `sandbox`: a
     `SandboxPool` (or anything with its `new_session` interface), None for no code execution;
-    `script(row, turn)`: forced text per turn (scripted policies in tests).
+    `script(row, turn)`: forced text per turn (scripted policies in tests). `mesh`: the model's mesh;
+    with a `data` axis over several devices each batch's rows are split over it (`RolloutEngine(mesh=)`).
     """
 
     def __init__(
@@ -53,13 +54,14 @@ class RolloutPolicy:
         turn_format: str = "code",
         rollout: dict | None = None,
         script: Callable[[int, int], str | None] | None = None,
+        mesh=None,
     ):
         self.processor, self.sandbox, self.script = processor, sandbox, script
         self.max_turns, self.turn_format = max_turns, turn_format
         cfg = RolloutConfig.eval(
             **{**(rollout or {}), "max_turns": max(1, max_turns), "turn_format": turn_format, "policy": policy_path}
         )
-        self.engine = RolloutEngine(model, processor, cfg, SamplingConfig(greedy=True))
+        self.engine = RolloutEngine(model, processor, cfg, SamplingConfig(greedy=True), mesh=mesh)
         self.stats: list[dict] = []
 
     def __call__(self, prompts: Sequence[EvalPrompt]) -> list[Trajectory]:

@@ -3,19 +3,21 @@
     WORKDIR/items.jsonl        ingest: the candidate items (+ img/ID.png)
     WORKDIR/validate.jsonl     Table 5 informativeness + Table 7 QA validation (judge)
     WORKDIR/stratify.jsonl     pass@k of the weak model -> trivial / medium / hard (Table 8)
-    WORKDIR/synthesize.jsonl   teacher trajectories, every cell run in the sandbox (Tables 8, 9, ours)
+    WORKDIR/synthesize.jsonl   teacher trajectories, every cell run in the sandbox (Tables 6, 8, 9, ours)
     WORKDIR/filter.jsonl       rule filters
     WORKDIR/verify.jsonl       cross-validation GOOD/BAD (verifier)
     WORKDIR/sft.jsonl          the kept trajectories in the SFT format (`launch.sft --config.data.jsonl=`)
     WORKDIR/tfds/              their TFDS build (`data.sft_tfds.build_dataset`, name "curated")
     WORKDIR/report.json, report.html   counts per stage and reason, difficulty histogram, examples
+                               (`output.report_kept` kept, `output.report_per_reason` per drop reason)
     WORKDIR/cache/ROLE.jsonl   every endpoint reply (a re-run pays nothing twice)
 
 Each stage file holds kept and dropped rows (`"drop": reason`) and resumes on its own
 (`stagefile`). Roles (`config.judge`, `.weak`, `.teacher`, `.verifier`): `url` + `model` +
 `api_key_env`; `url="scripted"` starts the toy world's scripted stand-in (`scripted.py`) in this
 process; `serve="random_tiny"` (or a checkpoint path) starts `python -m launch.serve` on it and
-uses that as the role's url. Both start on a role's first cache miss, so a resumed run whose weak
+uses that as the role's url (`serve_mode="inprocess"`: the same server in this process, our engine
+in-process, still reached over HTTP on 127.0.0.1). Both start on a role's first cache miss, so a resumed run whose weak
 stage is done never waits for `launch.serve`.
 """
 
@@ -32,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from codedance_jax.curate import grounding, stages
 from codedance_jax.curate import report as report_lib
-from codedance_jax.curate import stages
 from codedance_jax.curate.endpoints import Endpoint
 from codedance_jax.curate.stagefile import kept, read_stage, run_stage
 from codedance_jax.errors import UserError
@@ -145,6 +147,54 @@ class _ServeProcess:
                 self.proc.kill()
 
 
+class _InProcessServe:
+    """launch.serve's server (`codedance_jax.serve.Server`) in THIS process: our engine in-process,
+    no second process and no second copy of the model; uvicorn on a thread, 127.0.0.1, a free port.
+    `extra`: the role's `serve_flags` (`--max_context=N`, `--max_batch=N`, `--decode_chunk=N`)."""
+
+    def __init__(self, ckpt: str, extra: tuple[str, ...], log):
+        import dataclasses
+        import time
+
+        import uvicorn
+
+        from codedance_jax.serve import ServeConfig, Server, StartError
+        from codedance_jax.serve.server import bind, load
+
+        fields = {f.name: f.type for f in dataclasses.fields(ServeConfig)}
+        kw = {"agent": False}
+        for flag in extra:
+            k, _, v = flag.lstrip("-").partition("=")
+            if k not in fields or fields[k] not in ("int", int):
+                raise UserError(f"curate: serve_flags {flag!r} cannot be used in process",
+                                "in process only --max_context, --max_batch and --decode_chunk apply")
+            kw[k] = int(v)
+        sock = bind("127.0.0.1", 0)
+        try:
+            model, processor = load(ckpt)
+        except StartError as e:
+            sock.close()
+            raise UserError(f"curate: {e}", "give the role's serve= a checkpoint directory") from e
+        self.server = Server(model, processor, ServeConfig(**kw))
+        self.server.start()
+        self.uv = uvicorn.Server(uvicorn.Config(self.server.app, log_level="warning"))
+        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.uv.started and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not self.uv.started:
+            self.close()
+            raise UserError("curate: the in-process server did not start", "run launch.serve by hand to see why")
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+        log(f"weak model: in-process server on {ckpt} at {self.url}")
+
+    def close(self):
+        self.uv.should_exit = True
+        self.thread.join(timeout=30)
+        self.server.close()
+
+
 def _weak_checkpoint(spec: str, workdir: str) -> str:
     """`spec`, or for "random_tiny" a tiny random checkpoint (weights drawn in numpy: no compile)."""
     if spec != "random_tiny":
@@ -181,7 +231,10 @@ def endpoints(config, workdir: str, items: list[dict], log=print):
             return scripted[0].base_url
 
         def start_serve(rc) -> str:
-            sp = _ServeProcess(_weak_checkpoint(rc.serve, workdir), tuple(rc.get("serve_flags", ())), log)
+            kind = {"process": _ServeProcess, "inprocess": _InProcessServe}.get(rc.get("serve_mode", "process"))
+            if kind is None:
+                raise UserError(f"curate: serve_mode={rc.serve_mode!r} is unknown", "use 'process' or 'inprocess'")
+            sp = kind(_weak_checkpoint(rc.serve, workdir), tuple(rc.get("serve_flags", ())), log)
             stack.callback(sp.close)
             return sp.url
 
@@ -218,6 +271,7 @@ def run(config, workdir: str, log=print, stop_after: str = "") -> dict[str, Any]
     from sandbox import SandboxPool
 
     w = config.workers
+    grounding.check(config.synthesize.grounding)
     with endpoints(config, workdir, items, log) as eps, \
             SandboxPool(num_workers=config.sandbox.workers, timeout_s=config.sandbox.timeout_s,
                         memory_mb=config.sandbox.memory_mb) as pool:
@@ -266,11 +320,24 @@ def write_output(config, workdir: str, items: list[dict], cache: dict, log=print
     }
     with open(os.path.join(workdir, "report.json"), "w") as f:
         json.dump(report, f, indent=2)
+    out = config.output
     report_lib.write_html(os.path.join(workdir, "report.html"), report, workdir,
-                          kept_rows=final[:3], dropped_rows=[r for n in ("filter", "verify")
-                                                             for r in read_stage(workdir, n) if r.get("drop")][:3])
+                          kept_rows=final[: out.get("report_kept", 4)],
+                          dropped=dropped_examples(workdir, out.get("report_per_reason", 2)))
     log(f"curate: {len(items)} items -> {len(final)} trajectories in {sft}; report {workdir}/report.json")
     return report
+
+
+def dropped_examples(workdir: str, per_reason: int) -> list[tuple[str, str, list[dict]]]:
+    """(stage, reason, its first `per_reason` dropped rows, at least one) for every reason of every stage."""
+    out = []
+    for name in STAGES:
+        by: dict[str, list[dict]] = {}
+        for r in read_stage(workdir, name):
+            if r.get("drop"):
+                by.setdefault(r["drop"], []).append(r)
+        out += [(name, reason, rows[: max(1, per_reason)]) for reason, rows in sorted(by.items())]
+    return out
 
 
 def _counts(rows: list[dict]) -> dict[str, Any]:

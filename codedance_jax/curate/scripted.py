@@ -17,6 +17,9 @@ would, with deliberate faults at fixed per-item rates so that every filter has s
   then the answer (wrong at `wrong_rate`; a box outside the image at `bad_box_rate` for `find`);
 - multi-turn: first a buggy cell at `bug_rate` (a NameError), then the correct cell after the error
   comes back, then the answer; at `unrecovered_rate` it answers right after the error instead;
+- Table 6 bbox (grounding items): the item's marked box as a JSON `bbox_2d` (outside the image at
+  `bad_box_rate`; `[]` for items without a box), then, once the real crop comes back as an image,
+  the answer (wrong at `wrong_rate`; no answer when the feedback holds no image);
 - cross-validation: "GOOD" iff the trajectory's last `<answer>` is true ("BAD" at `verifier_bad_rate`).
 """
 
@@ -111,6 +114,15 @@ class ScriptedModel:
             if chance(iid, "bad_box") < f.bad_box_rate:
                 b = [b[0], b[1], b[2] + 10 * item.image.size[0], b[3]]
             box = f" The marked box is at [{b[0]}, {b[1]}, {b[2]}, {b[3]}]."
+        if "detect the entire object that most matches the question" in prompt:  # Table 6, then its feedback
+            if not any(m["role"] == "assistant" for m in messages):
+                if not box:
+                    return "[]"
+                return "```json\n" + json.dumps([{"label": "marked box", "bbox_2d": b}]) + "\n```"
+            if not any(p.get("type") == "image_url" for p in messages[-1].get("content") or []
+                       if isinstance(p, dict)):
+                return "<think>No crop came back, I cannot see the box.</think>"  # no answer: dropped
+            return f"<think>The enlarged crop shows the shape inside the box clearly.</think>\n<answer>{answer}</answer>"
         code = expert_code(item).rstrip()
         if "Modify the original thinking process" in prompt:
             return (f"<think>I will compute this with code instead of by eye.{box}</think>\n<code>\n```python\n{code}\n"

@@ -9,10 +9,13 @@ when the stage removes it (`stagefile.run_stage` writes, resumes and counts). It
 - `stratify` (Table 8; weak model): `k` samples; `pass_rate` = correct / k. `trivial` when
   pass_rate >= `trivial_rate`, `medium` when >= `medium_rate`, else `hard`. Trivial items are
   dropped (`trivial`) or kept for a direct answer, by `trivial` = "drop" | "direct".
-- `synthesize` (Tables 8, 9, ours; teacher, sandbox): trivial -> a direct answer (the weak
+- `synthesize` (Tables 6, 8, 9, ours; teacher, sandbox): trivial -> a direct answer (the weak
   model's first correct reply: the paper's "answer directly" for easy questions); medium ->
   Table 8 thinking, revised with code by Table 9 in one reply, spliced (`splice.splice`); hard ->
   multi-turn, one cell per turn, the real output sent back (`MULTI_TURN`), at most `max_turns`.
+  Items that need localisation (`synthesize.grounding`, `grounding.py`) instead get the Table 6
+  box, a crop cell and the answer (medium: single turn with the Table 8 reply; hard: the real
+  crop sent back first); drops `no_box` when the reply holds no box.
   Every cell of an item runs in order in one sandbox session holding `image.png`.
 - `rule_filter` (`filters.rule_reason`): drops by rule; first `malformed` for a record the SFT
   format rejects (`data.trajectory.parse_record`, e.g. a reply holding `<|im_end|>`).
@@ -28,7 +31,7 @@ from typing import Any
 
 from PIL import Image
 
-from codedance_jax.curate import filters, splice, templates
+from codedance_jax.curate import filters, grounding, splice, templates
 from codedance_jax.curate.endpoints import Endpoint, ask, image_part
 from codedance_jax.protocol import rl_question
 from codedance_jax.rl.answers import accuracy_reward
@@ -120,6 +123,8 @@ def synthesize(ctx: Context, row: dict) -> dict:
     c, png = ctx.cfg.synthesize, ctx.image(row["image"])
     if row["difficulty"] == "trivial":
         return _record(ctx, row, [{"role": "assistant", "content": row["direct"].strip()}], [], mode="direct")
+    if grounding.wanted(row, c.grounding):
+        return _synthesize_grounding(ctx, row, png)
     with ctx.pool.new_session(files={"image.png": png}) as session:
         if row["difficulty"] == "medium":
             thinking = ask(ctx.teacher, templates.STEP_BY_STEP.format(question=row["question"]), [png],
@@ -148,6 +153,37 @@ def synthesize(ctx: Context, row: dict) -> dict:
             # Out of turns after a cell: the trajectory ends unanswered (dropped as no_answer).
             messages.append({"role": "assistant", "content": ""})
         return _record(ctx, row, messages, cells, mode="multi_turn")
+
+
+def _synthesize_grounding(ctx: Context, row: dict, png: bytes) -> dict:
+    """Table 6 box -> crop cell in the sandbox -> answer (single turn for medium, with the real crop
+    sent back for hard); see `grounding.py`."""
+    c = ctx.cfg.synthesize
+    g = c.grounding
+    bbox_chat = [{"role": "user", "content": [image_part(png), {"type": "text", "text": templates.BBOX.format(
+        question=row["question"])}]}]
+    reply = ctx.teacher.chat(bbox_chat, max_tokens=g.max_tokens)
+    found = grounding.parse_boxes(reply)
+    if not found:
+        return {**row, "drop": "no_box", "bbox_reply": reply}
+    label, box = found[0]
+    turn, code = grounding.code_turn(label, box, g.zoom_px)
+    with ctx.pool.new_session(files={"image.png": png}) as session:
+        cell = splice.run_cell(session, code, c.max_images)
+    if row["difficulty"] == "medium":
+        answer = ask(ctx.teacher, templates.STEP_BY_STEP.format(question=row["question"]), [png],
+                     max_tokens=c.max_tokens)
+        mode = "grounding_single_turn"
+    else:
+        feedback = templates.GROUNDING_FEEDBACK.format(observation=cell.text, question=row["question"])
+        chat = bbox_chat + [{"role": "assistant", "content": reply},
+                            {"role": "user", "content": [{"type": "text", "text": feedback}]
+                             + [image_part(p) for p in cell.images]}]
+        answer = ctx.teacher.chat(chat, max_tokens=c.max_tokens)
+        mode = "grounding_multi_turn"
+    messages = [{"role": "assistant", "content": turn}, splice.observation(cell),
+                {"role": "assistant", "content": answer.strip()}]
+    return _record(ctx, row, messages, [cell], mode=mode, bbox=box, bbox_label=label)
 
 
 def rule_filter(ctx: Context, row: dict) -> dict:

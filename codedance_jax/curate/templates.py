@@ -5,7 +5,8 @@ and `{original_response}` are filled with `str.format`. Where the paper's table 
 (Table 9 ends after "Details: 1."), the rest of the instruction is ours and marked below.
 
 - `INFORMATIVENESS` (Table 5): is the image rich enough for fine-grained questions? "True"/"False".
-- `BBOX` (Table 6): the box of the object that best matches the question, as JSON `bbox_2d`.
+- `BBOX` (Table 6): the box of the object that best matches the question, as JSON `bbox_2d`: the
+  start of a grounding (crop) trajectory (`grounding.py`, `config.synthesize.grounding`).
 - `QA_VALIDATION` (Table 7): is the gold answer correct and the question non-trivial? "GOOD"/"BAD".
 - `STEP_BY_STEP` (Table 8): solve step by step, answer in `<answer>` tags (weak-model pass@k and
   the text-only thinking a medium item's code trajectory revises).
@@ -14,6 +15,8 @@ and `{original_response}` are filled with `str.format`. Where the paper's table 
   and replaced by the sandbox's real output).
 - `MULTI_TURN` (ours, built from Table 9's wording): hard items, one snippet per turn, the real
   interpreter output is sent back before the teacher goes on.
+- `GROUNDING_FEEDBACK` (ours): hard grounding items (`grounding.py`): after the teacher's Table 6
+  box, the real crop is sent back with this and the teacher answers having seen it.
 - `CROSS_VALIDATION` (ours, modelled on Table 7): the strong verifier's GOOD/BAD on a finished
   trajectory (the paper says each trajectory is cross-validated by a stronger MLLM, without a table).
 """
@@ -97,6 +100,14 @@ If the code fails, read the error and fix it. The image of the question is the f
 directory. End with the final answer enclosed within <answer> </answer> tags.
 User Question: {question}"""
 
+GROUNDING_FEEDBACK = """<interpreter>
+{observation}
+</interpreter>
+Above is the real result of cropping the image to the box you gave, enlarged (the image after this text). Look at \
+the crop and solve the question step by step. If the crop does not show the object, say so and use the full image.
+The final answer MUST BE enclosed within <answer> </answer> tags.
+Question: {question}"""
+
 CROSS_VALIDATION = """You are a quality control assistant. Your task is to evaluate a reasoning trajectory that \
 answers a visual question, including the code it ran and the interpreter's real results.
 Image: [Image is attached]
@@ -118,5 +129,6 @@ TEMPLATES = {
     "step_by_step": STEP_BY_STEP,  # Table 8
     "revise_with_code": REVISE_WITH_CODE,  # Table 9
     "multi_turn": MULTI_TURN,  # ours, from Table 9
+    "grounding_feedback": GROUNDING_FEEDBACK,  # ours: hard grounding items, after the Table 6 box
     "cross_validation": CROSS_VALIDATION,  # ours, from Table 7
 }

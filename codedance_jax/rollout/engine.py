@@ -32,6 +32,11 @@ an error observation without running anything; a trajectory that hits a budget e
 `finish_reason`; an exception while handling one row ends that row (`finish_reason="error"`,
 message in `error`), never the batch.
 
+Placement: `RolloutEngine(..., mesh=)` with a mesh whose `data` axis spans several devices splits
+every array with a row dimension (cache, logits, chunk inputs) over `data`
+(`sharding.row_sharding`); rows are independent, so the trajectories are those of the unsplit
+batch. `rollout.batch_multiple` must then be a multiple of the data size (every row bucket is).
+
 The last allowed turn's code is still executed (its status is part of the R_BAT signal) but
 nothing is appended after it (`finish_reason="max_turns"`).
 """
@@ -50,6 +55,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from codedance_jax import sharding
+from codedance_jax.errors import ConfigError
 from codedance_jax.model import rope
 from codedance_jax.model.generate import (
     broadcast_rows,
@@ -142,6 +149,7 @@ class RolloutStats:
     compactions: int = 0
     rollbacks: int = 0
     compiles: int = 0
+    row_shardings: dict | None = None  # PartitionSpec of the cache / logits at the end (`RolloutEngine(mesh=)`)
 
     @property
     def device_idle_frac(self) -> float:
@@ -184,9 +192,20 @@ class _Row:
 class RolloutEngine:
     """Batched multi-turn rollouts of one policy (see the module docstring)."""
 
-    def __init__(self, model, processor, cfg: RolloutConfig | None = None, sampling: SamplingConfig | None = None):
+    def __init__(self, model, processor, cfg: RolloutConfig | None = None, sampling: SamplingConfig | None = None,
+                 *, mesh: jax.sharding.Mesh | None = None):
         self.model, self.processor = model, processor
         self.cfg = cfg or RolloutConfig()
+        # With a mesh whose `data` axis has several devices, every array with a row dimension (the KV
+        # cache, logits, chunk inputs) is placed with its rows split over `data`; without one (or with
+        # data = 1) arrays are left where jit puts them, as before.
+        self.mesh = mesh if mesh is not None and mesh.shape.get("data", 1) > 1 else None
+        if self.mesh is not None and self.cfg.batch_multiple % self.mesh.shape["data"]:
+            raise ConfigError(
+                f"rollout batch_multiple={self.cfg.batch_multiple} is not a multiple of the mesh's data axis "
+                f"({self.mesh.shape['data']}): the batch's rows could not be split over it",
+                "set rollout.batch_multiple to a multiple of mesh.data")
+        self._cache_makers: dict = {}
         self.sampling = sampling or SamplingConfig()
         self.fmt = get_turn_format(self.cfg.turn_format)
         mcfg = model.cfg
@@ -228,7 +247,7 @@ class RolloutEngine:
         rows = self._make_rows(prompts, group_size, seed_offset)
         b = round_up(len(rows), self.cfg.batch_multiple)
         self.rows = rows + [self._pad_row(i) for i in range(len(rows), b)]
-        self.cache = self.model.init_cache(b, self.cfg.cache_slots)
+        self.cache = self._init_cache(b, self.cfg.cache_slots)
         self.index = 0
         self.logits = None
         self.script = script
@@ -252,6 +271,7 @@ class RolloutEngine:
         st.trajectories = len(rows)
         st.generated_tokens = sum(int(np.sum(r.traj.loss_mask)) for r in rows)
         st.compiles = CompileCounter.total() - start_compiles
+        st.row_shardings = self.row_shardings()
         return [r.traj for r in rows], st
 
     # ------------------------------------------------------------------------------ setup
@@ -348,6 +368,32 @@ class RolloutEngine:
             except Exception as e:  # noqa: BLE001 - a row without a session answers code with a crash
                 r.session_error = f"{type(e).__name__}: {e}"
 
+    # ------------------------------------------------------------------------------ row placement
+    def _rows(self, x, batch_dim: int = 0):
+        """x with its rows (dimension `batch_dim`) on the mesh's data axis; unchanged without a mesh."""
+        return x if self.mesh is None else sharding.place_rows(x, self.mesh, batch_dim)
+
+    def _init_cache(self, b: int, slots: int, dtype=None):
+        """A fresh cache of b rows, created already split over the data axis (never whole on one device)."""
+        if self.mesh is None:
+            return self.model.init_cache(b, slots, dtype)
+        key = (b, slots, None if dtype is None else jnp.dtype(dtype).name)
+        if key not in self._cache_makers:  # one compile per cache shape, as the other jitted steps
+            make = lambda: self.model.init_cache(b, slots, dtype)  # noqa: E731 - reads only the model's config
+            shard = jax.tree.map(lambda a: sharding.row_sharding(self.mesh, a.shape), jax.eval_shape(make))
+            self._cache_makers[key] = jax.jit(make, out_shardings=shard)
+        return self._cache_makers[key]()
+
+    def row_shardings(self) -> dict[str, str] | None:
+        """PartitionSpecs of the batch's device arrays (KV cache keys, validity, logits) as strings;
+        None before the first rollout."""
+        if getattr(self, "cache", None) is None:
+            return None
+        out = {"cache.k": self.cache.k[0].sharding, "cache.valid": self.cache.valid.sharding}
+        if self.logits is not None:
+            out["logits"] = self.logits.sharding
+        return {k: str(getattr(v, "spec", v)) for k, v in out.items()}
+
     # ------------------------------------------------------------------------------ device calls
     def _ensure_room(self, n: int):
         if self.index + n <= self.cache.max_len:
@@ -356,8 +402,8 @@ class RolloutEngine:
         if done.any():
             self.cache = drop_slots(
                 self.cache,
-                jnp.asarray(np.repeat(done[:, None], self.cache.max_len, 1)),
-                jnp.zeros(len(self.rows), jnp.int32),
+                self._rows(jnp.asarray(np.repeat(done[:, None], self.cache.max_len, 1))),
+                self._rows(jnp.zeros(len(self.rows), jnp.int32)),
             )
             for r, d in zip(self.rows, done, strict=True):
                 r.slots_held = r.slots_held and not d
@@ -409,6 +455,7 @@ class RolloutEngine:
             spatial_merge_size=cfg.vision.spatial_merge_size,
             start=start,
         )
+        ids, mask, pos = self._rows(np.asarray(ids, np.int32)), self._rows(np.asarray(mask, np.int32)), self._rows(pos, 1)
         feats = None
         if pv is not None:
             tv = time.perf_counter()
@@ -417,7 +464,7 @@ class RolloutEngine:
             self.stats.vision_s += time.perf_counter() - tv
             t0 += time.perf_counter() - tv
         if src is not None:  # prefill once per prompt, then share the rows
-            small = self.model.init_cache(ids.shape[0], self.cache.max_len, self.cache.k[0].dtype)
+            small = self._init_cache(ids.shape[0], self.cache.max_len, self.cache.k[0].dtype)
             logits, small = extend_arrays(self.model, small, ids, mask, pos, feats, last_only=True)
             self.cache, self.logits = broadcast_rows(small, logits, jnp.asarray(src), jnp.asarray(rows_b))
             rows_next = [(i, next_pos[src[i]]) for i in range(b) if rows_b[i]]
@@ -498,14 +545,13 @@ class RolloutEngine:
         sel = self._subset(active)
         if sel is None:
             out, self.cache, self.logits = self.sampler.decode_chunk(
-                self.cache, self.logits, active, limit, hist, forced, uid, count, start=self.index
+                self.cache, self.logits, *map(self._rows, (active, limit, hist, forced, uid, count)), start=self.index
             )
         else:  # only the decoding rows (in a row bucket) run; rows in the sandbox or done sit out
             jsel = jnp.asarray(sel)
             sub, sub_logits = take_rows(self.cache, jsel), self.logits[jsel]
-            out, sub, sub_logits = self.sampler.decode_chunk(
-                sub, sub_logits, active[sel], limit[sel], hist[sel], forced[sel], uid[sel], count[sel], start=self.index
-            )
+            args = map(self._rows, (active[sel], limit[sel], hist[sel], forced[sel], uid[sel], count[sel]))
+            out, sub, sub_logits = self.sampler.decode_chunk(sub, sub_logits, *args, start=self.index)
             self.cache = put_rows(self.cache, sub, jsel)
             self.logits = scatter_logits(self.logits, sub_logits, jsel, jnp.asarray(active[sel]))
             out = out.expand(sel, b)
@@ -568,7 +614,7 @@ class RolloutEngine:
         row = self.rows.index(r)
         mask[row, slots] = True
         rewind[row] = drop
-        self.cache = drop_slots(self.cache, jnp.asarray(mask), jnp.asarray(rewind))
+        self.cache = drop_slots(self.cache, self._rows(mask), self._rows(rewind))
         del r.turn_ids[lo:], r.turn_lps[lo:], r.turn_slots[lo:]
         r.sampled -= drop
         r.next_pos -= drop

@@ -29,3 +29,22 @@ def scripted_config(num_items: int = 12, seed: int = 0, **faults):
 @pytest.fixture
 def make_config():
     return scripted_config
+
+
+@pytest.fixture
+def ctx(make_config, tmp_path, pool):
+    """make(num_items, **faults) -> (a stage Context on the scripted server, the ingested toy items)."""
+    from codedance_jax.curate import pipeline, stages
+
+    def make(num_items=12, **faults):
+        c = make_config(num_items=num_items, **faults)
+        items = pipeline.ingest(c, str(tmp_path), log=lambda s: None)
+        stack = pipeline.endpoints(c, str(tmp_path), items, log=lambda s: None)
+        eps = stack.__enter__()
+        made.append(stack)
+        return stages.Context(str(tmp_path), c, pool=pool, **eps), items
+
+    made = []
+    yield make
+    for s in made:
+        s.__exit__(None, None, None)

@@ -3,27 +3,9 @@
 import json
 import os
 
-import pytest
-
 from codedance_jax.curate import pipeline, stages
 from codedance_jax.curate.stagefile import read_stage
 from data.trajectory import read_jsonl
-
-
-@pytest.fixture
-def ctx(make_config, tmp_path, pool):
-    def make(num_items=12, **faults):
-        c = make_config(num_items=num_items, **faults)
-        items = pipeline.ingest(c, str(tmp_path), log=lambda s: None)
-        stack = pipeline.endpoints(c, str(tmp_path), items, log=lambda s: None)
-        eps = stack.__enter__()
-        made.append(stack)
-        return stages.Context(str(tmp_path), c, pool=pool, **eps), items
-
-    made = []
-    yield make
-    for s in made:
-        s.__exit__(None, None, None)
 
 
 def test_validate_drops_uninformative_and_wrong_gold(ctx):
@@ -52,6 +34,7 @@ def test_stratify_by_weak_pass_rate(ctx):
 
 def test_synthesize_medium_hard_trivial_then_filter_and_verify(ctx):
     c, items = ctx(bug_rate=1.0)
+    c.cfg.synthesize.grounding.select = "off"  # the medium find item takes the Table 9 path (test_grounding.py: Table 6)
     strat = [stages.stratify(c, r) for r in items[:6] + items[6:]]
     by = {}
     for r in strat:
@@ -92,8 +75,9 @@ def test_unrecovered_and_bad_box_are_filtered(ctx):
 
 
 def test_pipeline_end_to_end_writes_sft_jsonl_tfds_and_report(make_config, tmp_path):
-    c = make_config(num_items=12, corrupt_rate=0.2, bug_rate=0.5, wrong_rate=0.2)
-    c.output.tfds = True
+    c = make_config(num_items=12, corrupt_rate=0.1, bug_rate=0.5, wrong_rate=0.3, uninformative_rate=0.1,
+                    bad_box_rate=0.5, unrecovered_rate=0.5, verifier_bad_rate=0.2)
+    c.output.tfds, c.output.report_per_reason = True, 1
     rep = pipeline.run(c, str(tmp_path), log=lambda s: None)
     trajs = list(read_jsonl([tmp_path / "sft.jsonl"]))
     assert len(trajs) == rep["kept"] > 0 and rep["tfds_records"] == rep["kept"]
@@ -105,6 +89,18 @@ def test_pipeline_end_to_end_writes_sft_jsonl_tfds_and_report(make_config, tmp_p
     assert st["verify"]["kept"] == rep["kept"]
     assert sum(rep["difficulty"].values()) == st["stratify"]["in"]
     assert os.path.isfile(tmp_path / "report.html") and json.load(open(tmp_path / "report.json")) == rep
+    # the report shows every drop reason of every stage, one example each (report_per_reason=1)
+    html = open(tmp_path / "report.html").read()
+    reasons = [(n, r) for n in pipeline.STAGES for r in sorted(st[n]["dropped"])]  # the report sorts them
+    assert {n for n, _ in reasons} == {"validate", "filter", "verify"} and len(reasons) >= 4, reasons
+    assert html.count('<h3 class="reason"') == len(reasons)
+    sections = html.split("<h2>Dropped, by stage and reason</h2>")[1].split('<h3 class="reason"')[1:]
+    for (n, r), sec in zip(reasons, sections, strict=True):
+        assert sec.startswith(f' id="drop-{n}-{r}">{n}: {r} ({st[n]["dropped"][r]} dropped, 1 shown)')
+        assert sec.count(f"dropped: {r}</h3>") == 1 and "<img" in sec
+    assert html.count("<h2>Kept trajectories</h2>") == 1
+    kept_part = html.split("<h2>Kept trajectories</h2>")[1].split("<h2>")[0]
+    assert kept_part.count("<h3>") == min(rep["kept"], c.output.report_kept)
     for r in read_stage(str(tmp_path), "verify"):
         assert not r.get("drop") or r["drop"] == "verifier_bad"
     # a second run pays nothing and changes nothing

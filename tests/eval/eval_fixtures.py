@@ -137,10 +137,11 @@ TSV_ROWS = {
 BENCHES = list(TSV_ROWS)
 
 
-def write_tsv(d: str, bench: str, name: str | None = None, share_image: bool = False) -> str:
+def write_tsv(d: str, bench: str, name: str | None = None, share_image: bool = False, repeat: int = 1) -> str:
+    """`repeat` > 1: the three items again (new indices 103, 104, ...), for batches of more rows."""
     from eval.benchmarks import get_benchmark
 
-    rows = TSV_ROWS[bench]
+    rows = TSV_ROWS[bench] * repeat
     cols = ["index", "image"] + [k for k in dict.fromkeys(k for r in rows for k in r)]
     path = os.path.join(d, name or get_benchmark(bench).tsv)
     with open(path, "w", newline="") as f:
