@@ -5,7 +5,7 @@ r"""The end-to-end demo on the toy world: world -> SFT -> eval -> GRPO (R_BAT) -
 
 The demo is three complete run configs built from the SFT and GRPO ones (as big_vision configs
 compose `common.py`): `sft` (configs/sft.py:tiny with the toy model), `grpo` (configs/grpo.py:tiny)
-and `eval` (greedy held-out evaluation, the field names of configs/eval.py). The pipeline fills in
+and `eval` (held-out evaluation, greedy and sampled, the field names of configs/eval.py). The pipeline fills in
 paths only (world files, the SFT policy); every size is here and can be overridden, e.g.
 --config.sft.total_steps=400 --config.grpo.rbat.mode=no_turn --config.grpo.rollout.obs_buckets=64,256.
 Fields shared between runs are references: overriding `seed`, `world.max_pixels`, a GRPO rollout
@@ -74,10 +74,16 @@ def get_config(preset: str = "default") -> ml_collections.ConfigDict:
     g.log_every = 1
     c.grpo = g
 
-    # Greedy evaluation of a policy on the held-out split, with the GRPO rollout budgets.
+    # Evaluation of a policy on the held-out split, with the GRPO rollout budgets: greedy, and
+    # sampled as GRPO samples (its temperature, top-p, top-k; `samples` draws per item, 0 = off),
+    # since the sampling policy is the one the reward acts on. batch_size counts rollout rows (a
+    # sampled batch holds batch_size // samples items).
     r = g.rollout
-    c.eval = ml_collections.ConfigDict(dict(batch_size=16 if mini else 64, limit=0, metric_keys=("family", "difficulty")))
+    c.eval = ml_collections.ConfigDict(dict(batch_size=16 if mini else 64, limit=0, metric_keys=("family", "difficulty"),
+                                            samples=2 if mini else 4))
     c.eval.seed = seed
+    for k in ("temperature", "top_p", "top_k"):
+        setattr(c.eval, k, r.get_ref(k))
     c.eval.rollout = ml_collections.ConfigDict()
     c.eval.rollout.max_turns = 3
     for k in ("turn_format", "max_turn_tokens", "max_new_tokens", "max_total_tokens", "decode_chunk",

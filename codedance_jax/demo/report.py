@@ -6,9 +6,13 @@
 
 `evals[name]` is a `codedance_jax.rl.scoring.summarize` dict (`accuracy`, `avg_turns`,
 `exec_success`, `tool_calls`, `tool_rate`, `n`, and `family=count/accuracy`,
-`difficulty=hard/tool_rate`, `family=count,difficulty=hard/accuracy`, ...). Evaluations appear in
-the dict's order. Rates are printed as percentages, a metric that was not measured (NaN: no code
-ran) as "n/a".
+`difficulty=hard/tool_rate`, `family=count,difficulty=hard/accuracy`, ...), optionally with the
+rates' 95% intervals (`{key}_ci95` = [lo, hi], `eval.intervals.rate_intervals`), `n_items` and
+`samples_per_item` (a sampled evaluation, named `{phase}_sampled`). Evaluations appear in the
+dict's order. Rates are printed as percentages with their interval in brackets, a metric that was
+not measured (NaN: no code ran) as "n/a". Pairs of evaluations (`before` -> `after`, and
+`{before}_sampled` -> `{after}_sampled` when both exist) get a table of differences with
+Newcombe's interval (`eval.intervals.difference`), a difference whose interval excludes 0 marked.
 
 Targets: each key is `{scope}_{metric}` (`overall_accuracy`, `hard_accuracy`, `count_tool_rate`:
 the scope is matched against the breakdown values) or a summary key itself
@@ -41,6 +45,7 @@ from collections.abc import Mapping, Sequence
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from eval.intervals import difference
 from eval.report import CSS as EVAL_CSS
 from eval.trajectory_html import trajectory_html
 
@@ -55,6 +60,19 @@ EVAL_COLUMNS = [
     ("tool_rate", "tool-call rate"),
     ("tool_calls", "tool calls / traj"),
     ("n", "n"),
+    ("n_items", "items"),
+    ("samples_per_item", "samples / item"),
+]
+BREAKDOWN_RATES = [("accuracy", "Accuracy"), ("tool_rate", "Tool-call rate"), ("exec_success", "Execution success")]
+# The differences table: (summary key, label); a rate of the after-evaluation minus the before one.
+DIFF_KEYS = [
+    ("accuracy", "accuracy"),
+    ("difficulty=easy/accuracy", "accuracy, easy"),
+    ("difficulty=hard/accuracy", "accuracy, hard"),
+    ("tool_rate", "tool-call rate"),
+    ("difficulty=easy/tool_rate", "tool-call rate, easy"),
+    ("difficulty=hard/tool_rate", "tool-call rate, hard"),
+    ("exec_success", "exec success"),
 ]
 
 # (file stem, title, y label, metrics source, [(key, legend label)], y is a rate)
@@ -62,7 +80,8 @@ PLOTS = [
     ("sft_loss", "SFT loss", "loss", "sft", [("loss", "train"), ("eval/loss", "eval")], False),
     ("grpo_reward", "GRPO mean reward", "reward (R_BAT total)", "grpo", [("reward/total", "reward/total")], False),
     ("grpo_accuracy", "GRPO accuracy", "accuracy", "grpo",
-     [("accuracy", "rollouts"), ("eval/accuracy", "held-out eval")], True),
+     [("accuracy", "rollouts"), ("difficulty=easy/accuracy", "rollouts, easy"),
+      ("difficulty=hard/accuracy", "rollouts, hard"), ("eval/accuracy", "held-out eval")], True),
     ("grpo_turns", "GRPO average turns", "turns / trajectory", "grpo",
      [("avg_turns", "rollouts"), ("eval/avg_turns", "held-out eval")], False),
     ("grpo_exec_success", "GRPO execution success", "successful executions / executions", "grpo",
@@ -71,6 +90,11 @@ PLOTS = [
     ("grpo_tool_rate", "GRPO tool-call rate by difficulty", "share of trajectories with a tool call", "grpo",
      [("difficulty=easy/tool_rate", "easy"), ("difficulty=hard/tool_rate", "hard")], True),
 ]
+
+INTERVALS_NOTE = ("Wilson score intervals; a sampled evaluation's k draws of one item, and one trajectory's "
+                  "executions, count as one cluster (effective sample size by Kish's design effect).")
+DIFF_NOTE = ("After minus before, in percentage points, with Newcombe's hybrid score interval (conservative on "
+             "the same items); * marks a difference whose interval excludes 0.")
 
 EXTRA_CSS = """
 table.summary th{background:#eee}td.num{text-align:right}.met{color:#2a2;font-weight:bold}.notmet{color:#c33;font-weight:bold}
@@ -104,6 +128,34 @@ def fmt_metric(metric: str, v) -> str:
     if metric == "n":
         return str(int(f))
     return f"{f:.2f}"
+
+
+def _ci(v) -> tuple[float, float] | None:
+    """A finite [lo, hi] pair, or None."""
+    if not isinstance(v, list | tuple) or len(v) != 2:
+        return None
+    lo, hi = _num(v[0]), _num(v[1])
+    return None if lo is None or hi is None else (lo, hi)
+
+
+def fmt_ci(metric: str, v, ci) -> str:
+    """A rate with its 95% interval, `91.7% [85.3, 95.5]` (the bare value without an interval)."""
+    text = fmt_metric(metric, v)
+    c = _ci(ci)
+    if metric not in RATES or c is None or _num(v) is None:
+        return text
+    return f"{text} [{100 * c[0]:.1f}, {100 * c[1]:.1f}]"
+
+
+def _fmt_diff(d, ci) -> str:
+    """A difference in percentage points with its interval; `*` when the interval excludes 0."""
+    d, c = _num(d), _ci(ci)
+    if d is None:
+        return "n/a"
+    if c is None:
+        return f"{100 * d:+.1f} pts"
+    star = " *" if c[0] > 0 or c[1] < 0 else ""
+    return f"{100 * d:+.1f} pts [{100 * c[0]:+.1f}, {100 * c[1]:+.1f}]{star}"
 
 
 def _clean(obj):
@@ -149,31 +201,69 @@ def _groups(evals: Mapping[str, Mapping]) -> tuple[list[str], list[str]]:
 
 
 def eval_table(evals: Mapping[str, Mapping]) -> tuple[list[str], list[list[str]]]:
-    header = ["eval"] + [label for _, label in EVAL_COLUMNS]
-    rows = [[name] + [fmt_metric(k, s.get(k)) for k, _ in EVAL_COLUMNS] for name, s in evals.items()]
+    cols = [(k, label) for k, label in EVAL_COLUMNS
+            if k not in ("n_items", "samples_per_item") or any(k in s for s in evals.values())]
+    header = ["eval"] + [label for _, label in cols]
+    rows = [[name] + [fmt_ci(k, s.get(k), s.get(f"{k}_ci95")) for k, _ in cols] for name, s in evals.items()]
     return header, rows
 
 
-def breakdown_table(evals: Mapping[str, Mapping]) -> tuple[list[str], list[list[str]]]:
-    """Rows: family x difficulty (then each difficulty over all families); per eval: n, accuracy, tool-call rate."""
+def _prefixes(evals: Mapping[str, Mapping]) -> list[tuple[str, str, str]]:
+    """(family, difficulty, summary key prefix) of every breakdown row: family x difficulty, then
+    each difficulty over all families."""
     fams, diffs = _groups(evals)
-    header = ["family", "difficulty"]
-    for name in evals:
-        header += [f"{name} n", f"{name} accuracy", f"{name} tool-call rate"]
     prefixes = []
     if fams and diffs:
         prefixes += [(f, d, f"family={f},difficulty={d}") for f in fams for d in diffs]
     elif fams:
         prefixes += [(f, "all", f"family={f}") for f in fams]
     prefixes += [("all", d, f"difficulty={d}") for d in diffs]
+    return [(f, d, p) for f, d, p in prefixes if any(f"{p}/n" in s or f"{p}/accuracy" in s for s in evals.values())]
+
+
+def rate_breakdown_table(evals: Mapping[str, Mapping], metric: str) -> tuple[list[str], list[list[str]]]:
+    """One rate per family x difficulty (rows) and evaluation (columns), with its 95% interval;
+    the last row is the rate over all items."""
+    header = ["family", "difficulty"] + [f"{name} (n)" for name in evals]
     rows = []
-    for fam, diff, p in prefixes:
-        if not any(f"{p}/n" in s or f"{p}/accuracy" in s for s in evals.values()):
-            continue
+    for fam, diff, p in _prefixes(evals) + [("all", "all", "")]:
+        key = f"{p}/{metric}" if p else metric
+        n_key = f"{p}/n" if p else "n"
         row = [fam, diff]
         for s in evals.values():
-            row += [fmt_metric(m, s.get(f"{p}/{m}")) for m in ("n", "accuracy", "tool_rate")]
+            n = _num(s.get(n_key))
+            row.append(fmt_ci(metric, s.get(key), s.get(f"{key}_ci95")) + (f" ({int(n)})" if n is not None else ""))
         rows.append(row)
+    return header, rows
+
+
+def differences(evals: Mapping[str, Mapping], before: str, after: str) -> dict:
+    """{label: {key, before, after, diff, ci95}} of `after` minus `before` for the DIFF_KEYS rates
+    (Newcombe's interval from the two Wilson intervals; None where either lacks one)."""
+    b, a = evals.get(before), evals.get(after)
+    if b is None or a is None:
+        return {}
+    out = {}
+    for key, label in DIFF_KEYS:
+        vb, va = _num(b.get(key)), _num(a.get(key))
+        cb, ca = _ci(b.get(f"{key}_ci95")), _ci(a.get(f"{key}_ci95"))
+        d = None if vb is None or va is None else va - vb
+        ci = list(difference(vb, cb, va, ca)) if d is not None and cb and ca else None
+        out[label] = {"key": key, "before": vb, "after": va, "diff": d, "ci95": ci,
+                      "excludes_0": None if ci is None else bool(ci[0] > 0 or ci[1] < 0)}
+    return out
+
+
+def comparison_pairs(evals: Mapping[str, Mapping], before: str, after: str) -> list[tuple[str, str]]:
+    """(before, after) pairs present: greedy, then sampled."""
+    pairs = [(before, after), (f"{before}_sampled", f"{after}_sampled")]
+    return [(b, a) for b, a in pairs if b in evals and a in evals]
+
+
+def differences_table(diffs: Mapping[str, Mapping]) -> tuple[list[str], list[list[str]]]:
+    header = ["rate"] + list(diffs)
+    labels = [label for _, label in DIFF_KEYS]
+    rows = [[label] + [_fmt_diff(d[label]["diff"], d[label]["ci95"]) for d in diffs.values()] for label in labels]
     return header, rows
 
 
@@ -463,9 +553,15 @@ def write_report(
     for p in plots.values():
         written[os.path.relpath(p, out_dir)] = p
     target_res = check_targets(evals, targets)
+    pairs = comparison_pairs(evals, before, after)
     checks = adaptive_checks(evals, before, after, hard_tool_rate_min)
+    for b, a in pairs[1:]:  # the sampled pair: the policy the reward acts on
+        checks += adaptive_checks(evals, b, a, hard_tool_rate_min)
+    diffs = {f"{a} - {b}": differences(evals, b, a) for b, a in pairs}
     t_eval = eval_table(evals)
-    t_break = breakdown_table(evals)
+    t_rates = [(title, rate_breakdown_table(evals, m)) for m, title in BREAKDOWN_RATES]
+    has_breakdown = bool(_prefixes(evals))
+    t_diff = differences_table(diffs)
     t_targets = targets_table(target_res, targets)
     timings = {str(k): v for k, v in (timings or {}).items()}
     t_time = (["phase", "seconds", "minutes"],
@@ -485,6 +581,8 @@ def write_report(
         "targets": {"given": targets or {}, "results": target_res,
                     "all_met": {n: all(r["met"] for r in res.values()) for n, res in target_res.items()}},
         "adaptive_checks": checks,
+        "differences": diffs,
+        "intervals": INTERVALS_NOTE,
         "timings": timings,
         "world": world,
         "plots": sorted(os.path.relpath(p, out_dir) for p in plots.values()),
@@ -501,8 +599,15 @@ def write_report(
     md = [f"# {title}", "", "## Evaluations", ""]
     md += [_md_table(*t_eval) if evals else "No evaluations.", ""]
     md += ["Rates are shares of trajectories (execution success: successful executions / executions; "
-           "n/a when no code ran).", ""]
-    md += ["## By family and difficulty", "", _md_table(*t_break) if t_break[1] else "No breakdown.", ""]
+           "n/a when no code ran), with their 95% interval in brackets: " + INTERVALS_NOTE, ""]
+    if diffs:
+        md += ["## Changes", "", DIFF_NOTE, "", _md_table(*t_diff), ""]
+    md += ["## By family and difficulty", ""]
+    if has_breakdown:
+        for title_, t in t_rates:
+            md += [f"### {title_}", "", _md_table(*t), ""]
+    else:
+        md += ["No breakdown.", ""]
     md += ["## Targets", ""]
     if targets:
         md += [_md_table(*t_targets), ""]
@@ -534,7 +639,15 @@ def write_report(
     h = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
          f"<style>{EVAL_CSS}{EXTRA_CSS}</style></head><body><h1>{html.escape(title)}</h1>"]
     h += ["<h2>Evaluations</h2>", _html_table(*t_eval) if evals else "<p>No evaluations.</p>"]
-    h += ["<h2>By family and difficulty</h2>", _html_table(*t_break) if t_break[1] else "<p>No breakdown.</p>"]
+    h.append(f"<p class='meta'>{html.escape(INTERVALS_NOTE)}</p>")
+    if diffs:
+        h += ["<h2>Changes</h2>", f"<p class='meta'>{html.escape(DIFF_NOTE)}</p>", _html_table(*t_diff)]
+    h.append("<h2>By family and difficulty</h2>")
+    if has_breakdown:
+        for title_, t in t_rates:
+            h += [f"<h3>{html.escape(title_)}</h3>", _html_table(*t)]
+    else:
+        h.append("<p>No breakdown.</p>")
     h.append("<h2>Targets</h2>")
     h.append(_html_table(*t_targets) if targets else "<p>No targets given.</p>")
     h.append("<h3>Adaptive tool use</h3><ul>")
