@@ -52,6 +52,7 @@ from eval.trajectory_html import trajectory_html
 FAMILY_ORDER = ("count", "bars", "find")
 DIFFICULTY_ORDER = ("easy", "hard")
 RATES = ("accuracy", "exec_success", "tool_rate")
+COUNTS = ("n", "n_items", "samples_per_item")
 METRICS = ("accuracy", "avg_turns", "exec_success", "tool_calls", "tool_rate", "n")
 EVAL_COLUMNS = [
     ("accuracy", "accuracy"),
@@ -125,7 +126,7 @@ def fmt_metric(metric: str, v) -> str:
         return "n/a"
     if metric in RATES:
         return f"{100 * f:.1f}%"
-    if metric == "n":
+    if metric in COUNTS:
         return str(int(f))
     return f"{f:.2f}"
 
@@ -223,16 +224,21 @@ def _prefixes(evals: Mapping[str, Mapping]) -> list[tuple[str, str, str]]:
 
 def rate_breakdown_table(evals: Mapping[str, Mapping], metric: str) -> tuple[list[str], list[list[str]]]:
     """One rate per family x difficulty (rows) and evaluation (columns), with its 95% interval;
-    the last row is the rate over all items."""
-    header = ["family", "difficulty"] + [f"{name} (n)" for name in evals]
+    the last row is the rate over all items. Accuracy and tool-call rate cells end with the
+    number of items (`items x samples` for a sampled evaluation); execution success counts
+    executions, whose number varies, so its cells do not."""
+    header = ["family", "difficulty"] + list(evals)
     rows = []
     for fam, diff, p in _prefixes(evals) + [("all", "all", "")]:
         key = f"{p}/{metric}" if p else metric
-        n_key = f"{p}/n" if p else "n"
         row = [fam, diff]
         for s in evals.values():
-            n = _num(s.get(n_key))
-            row.append(fmt_ci(metric, s.get(key), s.get(f"{key}_ci95")) + (f" ({int(n)})" if n is not None else ""))
+            cell = fmt_ci(metric, s.get(key), s.get(f"{key}_ci95"))
+            n = _num(s.get(f"{p}/n" if p else "n"))
+            items, k = _num(s.get(f"{p}/n_items" if p else "n_items")), _num(s.get("samples_per_item"))
+            if metric != "exec_success" and n is not None:
+                cell += f" ({int(items)} x {int(k)})" if items is not None and k and k > 1 else f" ({int(n)})"
+            row.append(cell)
         rows.append(row)
     return header, rows
 

@@ -231,3 +231,52 @@ def test_lookup():
     assert lookup(s, "family=count,difficulty=hard/accuracy") == 0.125
     assert lookup(s, "easy_accuracy") is None and lookup(s, "bogus") is None
     assert fmt_metric("n", 60.0) == "60" and fmt_metric("avg_turns", None) == "n/a"
+
+
+def test_intervals_differences_and_sampled_pairs(tmp_path):
+    """Every rate carries its 95% interval in both reports; greedy and sampled pairs get a differences
+    table (Newcombe) and their own adaptive checks."""
+    from eval.intervals import difference, rate_intervals
+
+    rng = np.random.default_rng()
+    evals, paths = {}, {}
+    for name in ("sft", "sft_sampled", "grpo", "grpo_sampled"):
+        trajs = _trajectories(rng, n_per_group=4)
+        metas = [t.meta for t in trajs]
+        s = summarize(trajs, [float(t.correct) for t in trajs], metas, ("family", "difficulty"))
+        evals[name] = {**s, **rate_intervals(trajs, metas, ("family", "difficulty")),
+                       "samples_per_item": 1}
+        paths[name] = save_jsonl(trajs, tmp_path / "work" / name)
+    out = tmp_path / "report"
+    write_report(str(out), evals=evals, eval_trajectories=paths, sft_metrics=[], grpo_metrics=[])
+
+    def ci_text(v, ci):
+        return f"{fmt_metric('accuracy', v)} [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
+
+    md = (out / "report.md").read_text()
+    page = (out / "report.html").read_text()
+    for name, s in evals.items():
+        row = next(line for line in md.splitlines() if line.startswith(f"| {name} |"))
+        for m in ("accuracy", "tool_rate", "exec_success"):
+            assert ci_text(s[m], s[f"{m}_ci95"]) in row, (name, m)
+            assert html.escape(ci_text(s[m], s[f"{m}_ci95"])) in page
+        key = "family=find,difficulty=hard/tool_rate"
+        assert html.escape(ci_text(s[key], s[f"{key}_ci95"])) in page
+    section = md.split("### Execution success")[1]
+    row = next(line for line in section.splitlines() if line.startswith("| bars | easy |"))
+    for s in evals.values():
+        key = "family=bars,difficulty=easy/exec_success"
+        assert ci_text(s[key], s[f"{key}_ci95"]) in row
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["differences"]) == ["grpo - sft", "grpo_sampled - sft_sampled"]
+    d = summary["differences"]["grpo_sampled - sft_sampled"]["tool-call rate, easy"]
+    b, a = evals["sft_sampled"], evals["grpo_sampled"]
+    k = "difficulty=easy/tool_rate"
+    assert d["diff"] == pytest.approx(a[k] - b[k])
+    assert d["ci95"] == pytest.approx(list(difference(b[k], b[f"{k}_ci95"], a[k], a[f"{k}_ci95"])))
+    assert d["excludes_0"] == (d["ci95"][0] > 0 or d["ci95"][1] < 0)
+    assert "## Changes" in md and "grpo_sampled - sft_sampled" in md
+    assert len(summary["adaptive_checks"]) == 4
+    assert "grpo_sampled does not lower accuracy vs sft_sampled" in md
+    assert summary["evals"]["grpo"]["accuracy_ci95"] == pytest.approx(evals["grpo"]["accuracy_ci95"])
