@@ -74,7 +74,7 @@ def test_rate_intervals_per_group():
     recs = []
     for i in range(12):
         diff = "easy" if i % 2 else "hard"
-        for g in range(3):
+        for _ in range(3):
             status = [str(s) for s in rng.choice(["ok", "error", "no_code"], size=int(rng.integers(1, 4)))]
             recs.append({"prompt_id": f"q{i}", "correct": bool(rng.random() < 0.6), "turn_status": status,
                          "meta": {"difficulty": diff, "family": "count"}})
