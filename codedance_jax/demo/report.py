@@ -45,6 +45,7 @@ from collections.abc import Mapping, Sequence
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from eval import tool_analytics
 from eval.intervals import difference
 from eval.report import CSS as EVAL_CSS
 from eval.trajectory_html import trajectory_html
@@ -96,6 +97,10 @@ INTERVALS_NOTE = ("Wilson score intervals; a sampled evaluation's k draws of one
                   "executions, count as one cluster (effective sample size by Kish's design effect).")
 DIFF_NOTE = ("After minus before, in percentage points, with Newcombe's hybrid score interval (conservative on "
              "the same items); * marks a difference whose interval excludes 0.")
+
+TOOL_NOTE = ("Read from each executed cell's AST (eval.tool_analytics): trajectories with at least one executed "
+             "cell, cells, distinct calls per cell, the share of cells showing each behaviour, the share using a "
+             "call never seen in the SFT data, and the commonest set of libraries per trajectory.")
 
 EXTRA_CSS = """
 table.summary th{background:#eee}td.num{text-align:right}.met{color:#2a2;font-weight:bold}.notmet{color:#c33;font-weight:bold}
@@ -530,6 +535,73 @@ def _example_html(rec: Mapping, traj_dir: str, out_dir: str, copy_to: str | None
 # ---------------------------------------------------------------- the report
 
 
+def tool_use_section(eval_trajectories: Mapping[str, str], sft_data: Sequence[str] | str | None,
+                     grpo_trajectories: str | None, plot_dir: str) -> dict:
+    """The tool-use analytics (`eval.tool_analytics`) of each evaluation's trajectories, per family,
+    against the calls of the SFT data; the per-step curves of the GRPO rollouts (drawn as
+    `plots/grpo_tool_use.png`). Returns {"evals": {name: analyze(...)}, "curves": rows, "plot": path
+    or None, "sft_calls": n or None}."""
+    paths = [sft_data] if isinstance(sft_data, str) else list(sft_data or [])
+    paths = [p for p in paths if os.path.isfile(p)]
+    seen = tool_analytics.sft_calls(paths) if paths else None
+    out = {"evals": {}, "curves": [], "plot": None, "sft_calls": None if seen is None else len(seen)}
+    for name, path in eval_trajectories.items():
+        if path and os.path.isfile(path):
+            out["evals"][name] = tool_analytics.analyze(tool_analytics.read_records(path), ("family",), seen)
+    if grpo_trajectories and os.path.isfile(grpo_trajectories):
+        rows = tool_analytics.step_curves(tool_analytics.read_records(grpo_trajectories), seen)
+        out["curves"] = rows
+        keys = [(f"behaviour/{label}", label) for label, _ in tool_analytics.BEHAVIOURS]
+        keys.append(("novel_cell_rate", "a call not in the SFT data"))
+        data = [(label, *series(rows, k)) for k, label in keys]
+        data = [d for d in data if d[1] and any(y > 0 for y in d[2])]
+        if data:
+            fig = Figure(figsize=(6, 3.6), dpi=100)
+            FigureCanvasAgg(fig)
+            ax = fig.add_subplot()
+            for label, xs, ys in data:
+                ax.plot(xs, ys, label=label, marker="o" if len(xs) <= 30 else None, markersize=4)
+            ax.set_title("GRPO rollouts: what the executed cells do")
+            ax.set_xlabel("step")
+            ax.set_ylabel("share of executed cells")
+            ax.set_ylim(-0.03, 1.03)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize="small")
+            fig.tight_layout()
+            os.makedirs(plot_dir, exist_ok=True)
+            out["plot"] = os.path.join(plot_dir, "grpo_tool_use.png")
+            fig.savefig(out["plot"], format="png")
+    return out
+
+
+def _pct(v) -> str:
+    f = _num(v)
+    return "n/a" if f is None else f"{100 * f:.0f}%"
+
+
+def tool_use_table(analytics: Mapping[str, Mapping]) -> tuple[list[str], list[list[str]]]:
+    """Rows: evaluation x family (all first); columns: trajectories with code, cells, calls per
+    cell, the share of cells showing each behaviour, the share using a call not in the SFT data,
+    the commonest library composition per trajectory."""
+    labels = [label for label, _ in tool_analytics.BEHAVIOURS]
+    header = ["eval", "family", "with code", "cells", "calls / cell"] + labels + ["not in SFT", "top composition"]
+    rows = []
+    for name, groups in analytics.items():
+        order = ["all"] + [f"family={f}" for f in FAMILY_ORDER] + sorted(
+            g for g in groups if g != "all" and g.removeprefix("family=") not in FAMILY_ORDER)
+        for g in order:
+            st = groups.get(g)
+            if not st:
+                continue
+            beh = st.get("behaviour_cell_rate") or {}
+            comp = st.get("compositions") or []
+            rows.append([name, g.removeprefix("family="), f"{st['with_code']} / {st['trajectories']}", st["cells"],
+                         fmt_metric("calls", st.get("calls_per_cell"))] + [_pct(beh.get(lb)) for lb in labels]
+                        + [_pct(st.get("novel_cell_rate")),
+                           f"{comp[0][0]} ({_pct(comp[0][1])})" if comp else "n/a"])
+    return header, rows
+
+
 def write_report(
     out_dir: str,
     *,
@@ -537,6 +609,8 @@ def write_report(
     eval_trajectories: Mapping[str, str] | None,
     sft_metrics: Sequence[Mapping] | None,
     grpo_metrics: Sequence[Mapping] | None,
+    sft_data: Sequence[str] | str | None = None,
+    grpo_trajectories: str | None = None,
     world: Mapping | None = None,
     timings: Mapping[str, float] | None = None,
     targets: Mapping | None = None,
@@ -548,7 +622,9 @@ def write_report(
     copy_images: bool = False,
 ) -> dict[str, str]:
     """Write report.md, summary.json, report.html and plots/*.png to `out_dir`; returns
-    {path relative to out_dir: absolute path} of every file written."""
+    {path relative to out_dir: absolute path} of every file written. `sft_data`: the SFT JSONL
+    (the calls the analytics call "seen"); `grpo_trajectories`: GRPO's rollout records (the
+    analytics' per-step curves)."""
     out_dir = os.path.abspath(os.fspath(out_dir))
     os.makedirs(out_dir, exist_ok=True)
     evals = {str(k): dict(v or {}) for k, v in (evals or {}).items()}
@@ -558,6 +634,11 @@ def write_report(
     plots, no_data = write_plots(os.path.join(out_dir, "plots"), sft_metrics, grpo_metrics)
     for p in plots.values():
         written[os.path.relpath(p, out_dir)] = p
+    tools = tool_use_section(eval_trajectories, sft_data, grpo_trajectories, os.path.join(out_dir, "plots"))
+    if tools["plot"]:
+        written[os.path.relpath(tools["plot"], out_dir)] = tools["plot"]
+    t_tools = tool_use_table(tools["evals"])
+    novel = {n: g["all"].get("novel_calls") or [] for n, g in tools["evals"].items()}
     target_res = check_targets(evals, targets)
     pairs = comparison_pairs(evals, before, after)
     checks = adaptive_checks(evals, before, after, hard_tool_rate_min)
@@ -589,6 +670,7 @@ def write_report(
         "adaptive_checks": checks,
         "differences": diffs,
         "intervals": INTERVALS_NOTE,
+        "tool_use": {"evals": tools["evals"], "grpo_curves": tools["curves"], "sft_calls": tools["sft_calls"]},
         "timings": timings,
         "world": world,
         "plots": sorted(os.path.relpath(p, out_dir) for p in plots.values()),
@@ -624,6 +706,16 @@ def write_report(
         md += ["No targets given.", ""]
     md += ["### Adaptive tool use", ""]
     md += [f"- {c['name']}: **{_verdict(c['met'])}** ({c['detail']})" for c in checks] + [""]
+    md += ["## Tool use (from the executed cells)", ""]
+    if t_tools[1]:
+        md += [TOOL_NOTE, "", _md_table(*t_tools), ""]
+        md += [f"- {n}: calls not in the SFT data: " + (", ".join(f"`{c}` ({k})" for c, k in v) or "none")
+               for n, v in novel.items()] if tools["sft_calls"] is not None else []
+        md.append("")
+    else:
+        md += ["No trajectories with executed cells.", ""]
+    if tools["plot"]:
+        md += ["![grpo_tool_use](plots/grpo_tool_use.png)", ""]
     md += ["## Training curves", ""]
     md += [f"![{stem}](plots/{stem}.png)" for stem in plots]
     md += [f"- {t}: no data" for t in no_data] + [""]
@@ -661,7 +753,19 @@ def write_report(
         cls = {True: "met", False: "notmet"}.get(c["met"], "")
         h.append(f'<li>{html.escape(c["name"])}: <span class="{cls}">{html.escape(_verdict(c["met"]))}</span> '
                  f"({html.escape(c['detail'])})</li>")
-    h.append("</ul><h2>Training curves</h2><div class='plots'>")
+    h.append("</ul><h2>Tool use (from the executed cells)</h2>")
+    if t_tools[1]:
+        h += [f"<p class='meta'>{html.escape(TOOL_NOTE)}</p>", _html_table(*t_tools)]
+        if tools["sft_calls"] is not None:
+            h.append("<ul>" + "".join(
+                f"<li>{html.escape(n)}: calls not in the SFT data: "
+                + html.escape(", ".join(f"{c} ({k})" for c, k in v) or "none") + "</li>" for n, v in novel.items())
+                + "</ul>")
+    else:
+        h.append("<p>No trajectories with executed cells.</p>")
+    if tools["plot"]:
+        h.append('<div class="plots"><img src="plots/grpo_tool_use.png" alt="grpo_tool_use"></div>')
+    h.append("<h2>Training curves</h2><div class='plots'>")
     h += [f'<img src="plots/{html.escape(stem)}.png" alt="{html.escape(stem)}">' for stem in plots]
     h.append("</div>")
     if no_data:
