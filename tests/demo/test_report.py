@@ -280,3 +280,36 @@ def test_intervals_differences_and_sampled_pairs(tmp_path):
     assert len(summary["adaptive_checks"]) == 4
     assert "grpo_sampled does not lower accuracy vs sft_sampled" in md
     assert summary["evals"]["grpo"]["accuracy_ci95"] == pytest.approx(evals["grpo"]["accuracy_ci95"])
+
+
+def test_tool_use_section(demo):
+    """The analytics table per eval x family, the calls not in the SFT data, and the GRPO curve."""
+    tmp_path, evals, paths, sft, grpo = demo
+    sft_data = tmp_path / "sft.jsonl"
+    sft_data.write_text(json.dumps({"messages": [
+        {"role": "assistant", "content": "<code>\n```python\nprint(1)\n```\n</code>"}]}) + "\n")
+    crop = "from PIL import Image\nim = Image.open('image.png')\nim.crop((0, 0, 8, 8)).save('c.png')\n"
+    grpo_recs = tmp_path / "grpo_trajectories.jsonl"
+    with open(grpo_recs, "w") as f:
+        for step in (1, 2, 3):
+            for j in range(2):
+                code = crop if j < step - 1 else "print(2)"
+                f.write(json.dumps({"prompt_id": f"p{j}", "policy": f"/w/grpo/policies/step_{step}", "meta": {},
+                                    "turns": [{"status": "ok", "code": code}]}) + "\n")
+    out = tmp_path / "report"
+    written = write_report(str(out), evals=evals, eval_trajectories=paths, sft_metrics=sft, grpo_metrics=grpo,
+                           sft_data=str(sft_data), grpo_trajectories=str(grpo_recs))
+    assert "plots/grpo_tool_use.png" in written
+    _png_ok(written["plots/grpo_tool_use.png"])
+    md = (out / "report.md").read_text()
+    assert "## Tool use (from the executed cells)" in md
+    for name in evals:
+        assert any(line.startswith(f"| {name} | all |") for line in md.splitlines())
+        assert any(line.startswith(f"| {name} | find |") for line in md.splitlines())
+    s = json.loads((out / "summary.json").read_text())
+    t = s["tool_use"]
+    assert t["sft_calls"] == 1  # print
+    g = t["evals"]["grpo"]["all"]  # the fixture's cells run print(img.size): print is in the SFT data
+    assert g["novel_calls"] == [] and g["novel_cell_rate"] == 0 and g["top_calls"][0][0] == "print"
+    assert [r["behaviour/crop"] for r in t["grpo_curves"]] == [0.0, 0.5, 1.0]
+    assert "grpo_tool_use.png" in (out / "report.html").read_text()
