@@ -233,7 +233,7 @@ def prepare_sft(c, workdir: str) -> tuple[dict, str]:
 def ablate(c, workdir: str, modes=tuple(m for m, _ in ABLATION_ROWS)) -> dict:
     """Table 3 on the toy world: the reward variants trained from the same SFT policy with the same
     seeds (same prompts per step, same sampling keys), each evaluated on the held-out split."""
-    from codedance_jax.demo.report import fmt_metric
+    from codedance_jax.demo.report import fmt_ci
     from codedance_jax.runs import grpo as grpo_run
 
     workdir = os.path.abspath(workdir)
@@ -255,7 +255,8 @@ def ablate(c, workdir: str, modes=tuple(m for m, _ in ABLATION_ROWS)) -> dict:
     lines = ["| reward | accuracy | avg turns | exec success | tool rate easy | tool rate hard |",
              "|---|---|---|---|---|---|"]
     for key, summ in results.items():
-        cells = [fmt_metric(col.rpartition("/")[2] or col, summ.get(col, float("nan"))) for col in cols]
+        cells = [fmt_ci(col.rpartition("/")[2] or col, summ.get(col, float("nan")), summ.get(f"{col}_ci95"))
+                 for col in cols]
         lines.append(f"| {names.get(key, key)} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     with open(os.path.join(workdir, "ablation.md"), "w") as f:
