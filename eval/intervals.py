@@ -21,7 +21,8 @@ sum((y_i - p m_i)^2) / (sum m_i)^2, divided by the binomial p(1 - p) / sum(m_i),
 effect (Kish), clipped to [1, max m_i] (no narrower than independent trials, no wider than one
 trial per cluster). The interval is Wilson's at p with n_eff = sum(m_i) / deff. With one trial
 per cluster (greedy accuracy and tool-call rate) deff is exactly 1 and this is the plain Wilson
-interval of k in n.
+interval of k in n. At p = 0 or 1 the effect cannot be estimated (no variance) and n_eff is the
+number of clusters: 0 of 4 draws on each of 20 items is reported as 0/20 is, not as 0/80.
 
 Rates of the same items before and after a change (SFT vs GRPO) are compared with Newcombe's
 hybrid score interval of the difference, built from the two Wilson intervals. It treats the two
@@ -57,16 +58,20 @@ def wilson(successes: float, n: float, z: float = Z95) -> tuple[float, float]:
 
 
 def design_effect(successes: Sequence[float], trials: Sequence[float]) -> float:
-    """Kish's design effect of the ratio estimator sum(y) / sum(m), clipped to [1, max m] (1 when
-    the rate is 0 or 1, where there is no variance to compare)."""
+    """Kish's design effect of the ratio estimator sum(y) / sum(m), clipped to [1, max m]. At a rate
+    of 0 or 1 there is no variance to estimate it from; every cluster agreeing is what clusters
+    that decide their trials would give, so the effect is then the mean cluster size (n_eff = the
+    number of clusters; 1 with one trial per cluster)."""
     y, m = np.asarray(successes, np.float64), np.asarray(trials, np.float64)
+    keep = m > 0
+    y, m = y[keep], m[keep]
     total = m.sum()
     if total <= 0:
         return 1.0
     p = y.sum() / total
     binom = p * (1 - p) / total
     if binom <= 0:
-        return 1.0
+        return float(total / len(m))
     ratio = float(np.sum((y - p * m) ** 2)) / total**2
     return float(np.clip(ratio / binom, 1.0, max(1.0, float(m.max()))))
 

@@ -65,6 +65,10 @@ def test_clustered_wilson():
     lo, hi, n_eff = clustered_wilson(draws.sum(1), np.full(n, k))
     wl, wh = wilson(draws.sum(), n * k)
     assert n <= n_eff <= n * k and lo <= wl + 1e-12 and hi >= wh - 1e-12
+    # A rate of 0 or 1: no variance to estimate deff from; as many trials as clusters.
+    assert clustered_wilson(np.zeros(n), np.full(n, k))[:2] == pytest.approx(wilson(0, n))
+    assert clustered_wilson(np.full(n, k), np.full(n, k))[2] == pytest.approx(n)
+    assert clustered_wilson(np.ones(n), np.ones(n))[:2] == pytest.approx(wilson(n, n))
     # Clusters with no trials (trajectories without executions) are left out.
     assert clustered_wilson([1, 0, 0], [1, 0, 0])[:2] == pytest.approx(wilson(1, 1))
 

@@ -46,7 +46,7 @@ def test_scripted_samples_are_scored_per_item(model, processor):
     y = right.reshape(len(items), k).sum(1)
     assert s["accuracy_ci95"] == pytest.approx(list(clustered_wilson(y, np.full(len(items), k))[:2]))
     assert s["difficulty=easy/n_items"] == 1 and s["difficulty=hard/n"] == 6
-    assert s["tool_rate"] == 0 and s["tool_rate_ci95"] == pytest.approx(list(wilson(0, 9)))
+    assert s["tool_rate"] == 0 and s["tool_rate_ci95"] == pytest.approx(list(wilson(0, 3)))  # 0 of k on each item: 0/3
 
 
 def test_sampled_eval_reproducible_and_not_greedy(model, processor):
