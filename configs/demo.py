@@ -77,6 +77,9 @@ def get_config(preset: str = "default") -> ml_collections.ConfigDict:
     g.metric_keys = ("difficulty",)
     g.checkpoint.update(every_steps=_ceil_div(g.get_ref("total_steps"), 3), keep=2)
     g.log_every = 1
+    # The rollouts of about 20 steps (and their sampling policy) go to grpo/trajectories.jsonl: the
+    # report's per-step rates with intervals and tool-use curves are read from them.
+    g.trajectories_every = _ceil_div(g.get_ref("total_steps"), 20)
     c.grpo = g
 
     # Evaluation of a policy on the held-out split, with the GRPO rollout budgets: greedy, and

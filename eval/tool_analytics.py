@@ -301,9 +301,10 @@ _STEP_RE = re.compile(r"step_(\d+)$")
 
 
 def record_step(rec) -> int | None:
-    """The GRPO step of a rollout record, from the sampling policy it names (`.../policies/step_N`)."""
+    """The GRPO step (metrics.jsonl's `step`) of a rollout record: GRPO exports the sampling policy
+    of loop index N as `.../policies/step_N`, and logs that step's row as step N + 1."""
     m = _STEP_RE.search(str(_get(rec, "policy") or "").rstrip("/"))
-    return int(m.group(1)) if m else None
+    return int(m.group(1)) + 1 if m else None
 
 
 def step_curves(records: Sequence, seen: set[str] | None = None) -> list[dict]:

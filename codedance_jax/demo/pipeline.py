@@ -197,6 +197,7 @@ def run(c, workdir: str) -> dict:
         eval_trajectories={n: os.path.join(workdir, f"eval_{n}", "trajectories.jsonl") for n in evals},
         sft_data=os.path.join(world_dir(workdir), "sft", "sft.jsonl"),
         grpo_trajectories=os.path.join(grpo_dir, "trajectories.jsonl"),
+        prompt_metas=os.path.join(world_dir(workdir), "rl", "prompts.jsonl"),
         sft_metrics=_read_jsonl(os.path.join(sft_dir, "metrics.jsonl")),
         grpo_metrics=_read_jsonl(os.path.join(grpo_dir, "metrics.jsonl")),
         world=world, timings=timings, targets=dict(c.targets), examples_per_group=c.examples_per_group,

@@ -46,7 +46,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from eval import tool_analytics
-from eval.intervals import difference
+from eval.intervals import difference, rate_intervals
 from eval.report import CSS as EVAL_CSS
 from eval.trajectory_html import trajectory_html
 
@@ -574,6 +574,65 @@ def tool_use_section(eval_trajectories: Mapping[str, str], sft_data: Sequence[st
     return out
 
 
+STEP_RATES = (("accuracy", "accuracy"), ("tool_rate", "tool-call rate"))
+
+
+def step_rates(records: Sequence[Mapping], metas: Mapping[str, Mapping] | None = None) -> list[dict]:
+    """Per GRPO step (from the records' sampling policy): accuracy and tool-call rate of its rollouts,
+    overall and per difficulty, each with its 95% interval (the group of one prompt is a cluster).
+    `metas`: prompt id -> metadata ({"difficulty": ...}; the records' own `meta` otherwise)."""
+    by_step: dict[int, list] = {}
+    for r in records:
+        s = tool_analytics.record_step(r)
+        if s is not None:
+            by_step.setdefault(s, []).append(r)
+    rows = []
+    for s in sorted(by_step):
+        recs = by_step[s]
+        ms = [dict((metas or {}).get(str(r.get("prompt_id")), r.get("meta") or {})) for r in recs]
+        row = {"step": s, "n": len(recs), **rate_intervals(recs, ms, ("difficulty",))}
+        for prefix in [""] + sorted({f"difficulty={m.get('difficulty')}/" for m in ms}):
+            idx = [i for i, m in enumerate(ms) if not prefix or f"difficulty={m.get('difficulty')}/" == prefix]
+            sub = [recs[i] for i in idx]
+            row[f"{prefix}accuracy"] = sum(bool(r.get("correct")) for r in sub) / len(sub)
+            row[f"{prefix}tool_rate"] = sum(any(st in tool_analytics.EXECUTED for st in r.get("turn_status") or [])
+                                            for r in sub) / len(sub)
+        rows.append(row)
+    return rows
+
+
+def plot_step_rates(rows: Sequence[Mapping], path: str) -> str | None:
+    """Accuracy and tool-call rate per GRPO step, easy and hard, with 95% bands; None without data."""
+    if not rows:
+        return None
+    fig = Figure(figsize=(9, 3.6), dpi=100)
+    FigureCanvasAgg(fig)
+    drawn = False
+    for k, (metric, title) in enumerate(STEP_RATES):
+        ax = fig.add_subplot(1, len(STEP_RATES), k + 1)
+        for prefix, label in (("difficulty=easy/", "easy"), ("difficulty=hard/", "hard"), ("", "all")):
+            pts = [(r["step"], r[f"{prefix}{metric}"], _ci(r.get(f"{prefix}{metric}_ci95"))) for r in rows
+                   if _num(r.get(f"{prefix}{metric}")) is not None and _ci(r.get(f"{prefix}{metric}_ci95"))]
+            if not pts:
+                continue
+            xs, ys, cis = zip(*pts, strict=True)
+            line = ax.plot(xs, ys, label=label, marker="o" if len(xs) <= 30 else None, markersize=4,
+                           linestyle="--" if not prefix else "-")[0]
+            ax.fill_between(xs, [c[0] for c in cis], [c[1] for c in cis], color=line.get_color(), alpha=0.15)
+            drawn = True
+        ax.set_title(f"GRPO rollouts: {title}")
+        ax.set_xlabel("step")
+        ax.set_ylim(-0.03, 1.03)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    if not drawn:
+        return None
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, format="png")
+    return path
+
+
 def _pct(v) -> str:
     f = _num(v)
     return "n/a" if f is None else f"{100 * f:.0f}%"
@@ -611,6 +670,7 @@ def write_report(
     grpo_metrics: Sequence[Mapping] | None,
     sft_data: Sequence[str] | str | None = None,
     grpo_trajectories: str | None = None,
+    prompt_metas: str | None = None,
     world: Mapping | None = None,
     timings: Mapping[str, float] | None = None,
     targets: Mapping | None = None,
@@ -624,7 +684,8 @@ def write_report(
     """Write report.md, summary.json, report.html and plots/*.png to `out_dir`; returns
     {path relative to out_dir: absolute path} of every file written. `sft_data`: the SFT JSONL
     (the calls the analytics call "seen"); `grpo_trajectories`: GRPO's rollout records (the
-    analytics' per-step curves)."""
+    analytics' per-step curves, and each step's accuracy and tool-call rate with 95% intervals);
+    `prompt_metas`: the RL prompts' JSONL (`id`, `difficulty`: the per-difficulty step rates)."""
     out_dir = os.path.abspath(os.fspath(out_dir))
     os.makedirs(out_dir, exist_ok=True)
     evals = {str(k): dict(v or {}) for k, v in (evals or {}).items()}
@@ -638,6 +699,15 @@ def write_report(
     if tools["plot"]:
         written[os.path.relpath(tools["plot"], out_dir)] = tools["plot"]
     t_tools = tool_use_table(tools["evals"])
+    steps = []
+    if grpo_trajectories and os.path.isfile(grpo_trajectories):
+        metas = None
+        if prompt_metas and os.path.isfile(prompt_metas):
+            metas = {str(r.get("id")): r for r in tool_analytics.read_records(prompt_metas)}
+        steps = step_rates(tool_analytics.read_records(grpo_trajectories), metas)
+    step_plot = plot_step_rates(steps, os.path.join(out_dir, "plots", "grpo_step_rates.png"))
+    if step_plot:
+        written[os.path.relpath(step_plot, out_dir)] = step_plot
     novel = {n: g["all"].get("novel_calls") or [] for n, g in tools["evals"].items()}
     target_res = check_targets(evals, targets)
     pairs = comparison_pairs(evals, before, after)
@@ -671,6 +741,7 @@ def write_report(
         "differences": diffs,
         "intervals": INTERVALS_NOTE,
         "tool_use": {"evals": tools["evals"], "grpo_curves": tools["curves"], "sft_calls": tools["sft_calls"]},
+        "grpo_step_rates": steps,
         "timings": timings,
         "world": world,
         "plots": sorted(os.path.relpath(p, out_dir) for p in plots.values()),
@@ -717,6 +788,9 @@ def write_report(
     if tools["plot"]:
         md += ["![grpo_tool_use](plots/grpo_tool_use.png)", ""]
     md += ["## Training curves", ""]
+    if step_plot:
+        md += ["GRPO's rollouts per step (the sampling policy the reward acts on), with 95% intervals "
+               "(clustered by prompt):", "", "![grpo_step_rates](plots/grpo_step_rates.png)", ""]
     md += [f"![{stem}](plots/{stem}.png)" for stem in plots]
     md += [f"- {t}: no data" for t in no_data] + [""]
     md += ["## Timings", "", _md_table(*t_time) if timings else "No timings.", ""]
@@ -766,6 +840,8 @@ def write_report(
     if tools["plot"]:
         h.append('<div class="plots"><img src="plots/grpo_tool_use.png" alt="grpo_tool_use"></div>')
     h.append("<h2>Training curves</h2><div class='plots'>")
+    if step_plot:
+        h.append('<img src="plots/grpo_step_rates.png" alt="grpo_step_rates">')
     h += [f'<img src="plots/{html.escape(stem)}.png" alt="{html.escape(stem)}">' for stem in plots]
     h.append("</div>")
     if no_data:

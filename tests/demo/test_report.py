@@ -294,7 +294,7 @@ def test_tool_use_section(demo):
         for step in (1, 2, 3):
             for j in range(2):
                 code = crop if j < step - 1 else "print(2)"
-                f.write(json.dumps({"prompt_id": f"p{j}", "policy": f"/w/grpo/policies/step_{step}", "meta": {},
+                f.write(json.dumps({"prompt_id": f"p{j}", "policy": f"/w/grpo/policies/step_{step - 1}", "meta": {},
                                     "turns": [{"status": "ok", "code": code}]}) + "\n")
     out = tmp_path / "report"
     written = write_report(str(out), evals=evals, eval_trajectories=paths, sft_metrics=sft, grpo_metrics=grpo,
@@ -313,3 +313,40 @@ def test_tool_use_section(demo):
     assert g["novel_calls"] == [] and g["novel_cell_rate"] == 0 and g["top_calls"][0][0] == "print"
     assert [r["behaviour/crop"] for r in t["grpo_curves"]] == [0.0, 0.5, 1.0]
     assert "grpo_tool_use.png" in (out / "report.html").read_text()
+
+
+def test_grpo_step_rates_with_intervals(tmp_path):
+    """Per GRPO step: accuracy and tool-call rate of its rollouts, per difficulty (from the RL prompts'
+    metadata), each with the clustered Wilson interval; drawn as plots/grpo_step_rates.png."""
+    from codedance_jax.demo.report import step_rates
+    from eval.intervals import rate_intervals
+
+    rng = np.random.default_rng()
+    metas = tmp_path / "prompts.jsonl"
+    metas.write_text("".join(json.dumps({"id": f"rl-{i}", "difficulty": "easy" if i % 2 else "hard"}) + "\n"
+                             for i in range(6)))
+    recs = []
+    for step in range(3):
+        for i in rng.choice(6, size=3, replace=False):
+            for _ in range(4):  # a group of 4 rollouts per prompt
+                recs.append({"prompt_id": f"rl-{i}", "policy": f"/w/grpo/policies/step_{step}",
+                             "correct": bool(rng.random() < 0.5),
+                             "turn_status": ["ok", "no_code"] if rng.random() < 0.5 else ["no_code"]})
+    path = tmp_path / "trajectories.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    diff = {f"rl-{i}": {"difficulty": "easy" if i % 2 else "hard"} for i in range(6)}
+    rows = step_rates(recs, diff)
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["n"] == 12 for r in rows)
+    second = [r for r in recs if r["policy"].endswith("step_1")]
+    hard = [r for r in second if diff[r["prompt_id"]]["difficulty"] == "hard"]
+    if hard:
+        assert rows[1]["difficulty=hard/accuracy"] == pytest.approx(np.mean([r["correct"] for r in hard]))
+    want = rate_intervals(second, [diff[r["prompt_id"]] for r in second], ("difficulty",))
+    assert rows[1]["accuracy_ci95"] == pytest.approx(want["accuracy_ci95"])
+    assert rows[1]["tool_rate"] == pytest.approx(np.mean([len(r["turn_status"]) > 1 for r in second]))
+    written = write_report(str(tmp_path / "r"), evals={}, eval_trajectories={}, sft_metrics=[], grpo_metrics=[],
+                           grpo_trajectories=str(path), prompt_metas=str(metas))
+    _png_ok(written["plots/grpo_step_rates.png"])
+    s = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert s["grpo_step_rates"][1]["accuracy_ci95"] == pytest.approx(want["accuracy_ci95"])
+    assert "grpo_step_rates.png" in (tmp_path / "r" / "report.md").read_text()

@@ -85,10 +85,10 @@ def test_analyze_groups_and_calls_not_in_sft(tmp_path):
 
 
 def test_step_curves_from_grpo_records():
-    recs = [_rec("a", "find", [CROP_DRAW], policy="/w/grpo/policies/step_1"),
-            _rec("b", "find", [COUNT], policy="/w/grpo/policies/step_1"),
-            _rec("c", "find", [COUNT], policy="/w/grpo/policies/step_2"),
-            _rec("d", "find", [], policy="/w/grpo/policies/step_2"),
+    recs = [_rec("a", "find", [CROP_DRAW], policy="/w/grpo/policies/step_0"),  # loop index 0 = metrics step 1
+            _rec("b", "find", [COUNT], policy="/w/grpo/policies/step_0"),
+            _rec("c", "find", [COUNT], policy="/w/grpo/policies/step_1"),
+            _rec("d", "find", [], policy="/w/grpo/policies/step_1"),
             _rec("e", "find", [CROP_DRAW], policy="/w/sft/policy")]  # no step: left out
     assert record_step(recs[2]) == 2 and record_step(recs[4]) is None
     rows = step_curves(recs, seen=set(cell_calls(COUNT).calls))
