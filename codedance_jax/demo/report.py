@@ -577,6 +577,15 @@ def tool_use_section(eval_trajectories: Mapping[str, str], sft_data: Sequence[st
 STEP_RATES = (("accuracy", "accuracy"), ("tool_rate", "tool-call rate"))
 
 
+def _prompt_meta(rec: Mapping, metas: Mapping[str, Mapping] | None) -> dict:
+    """A GRPO record's prompt metadata: GRPO names a prompt `{id}@{epoch}`, the prompts file `{id}`."""
+    pid = str(rec.get("prompt_id"))
+    for key in (pid, pid.rpartition("@")[0]):
+        if metas and key in metas:
+            return dict(metas[key])
+    return dict(rec.get("meta") or {})
+
+
 def step_rates(records: Sequence[Mapping], metas: Mapping[str, Mapping] | None = None) -> list[dict]:
     """Per GRPO step (from the records' sampling policy): accuracy and tool-call rate of its rollouts,
     overall and per difficulty, each with its 95% interval (the group of one prompt is a cluster).
@@ -589,7 +598,7 @@ def step_rates(records: Sequence[Mapping], metas: Mapping[str, Mapping] | None =
     rows = []
     for s in sorted(by_step):
         recs = by_step[s]
-        ms = [dict((metas or {}).get(str(r.get("prompt_id")), r.get("meta") or {})) for r in recs]
+        ms = [_prompt_meta(r, metas) for r in recs]
         row = {"step": s, "n": len(recs), **rate_intervals(recs, ms, ("difficulty",))}
         for prefix in [""] + sorted({f"difficulty={m.get('difficulty')}/" for m in ms}):
             idx = [i for i, m in enumerate(ms) if not prefix or f"difficulty={m.get('difficulty')}/" == prefix]

@@ -37,6 +37,10 @@ def test_demo_mini_writes_the_report(tmp_path):
     assert "## Changes" in md and "grpo_sampled - sft_sampled" in md and "## Tool use" in md
     lo, hi = summary["evals"]["sft_sampled"]["accuracy_ci95"]
     assert f"[{100 * lo:.1f}, {100 * hi:.1f}]" in md
+    # GRPO's rollouts of every step (trajectories_every = 1 here) give per-step rates by difficulty.
+    assert [r["step"] for r in summary["grpo_step_rates"]] == [1, 2]
+    assert all(0 <= r["difficulty=hard/tool_rate"] <= 1 for r in summary["grpo_step_rates"])
+    assert (report / "plots" / "grpo_step_rates.png").stat().st_size > 0
     world = json.loads((tmp_path / "world" / "world.json").read_text())
     assert world["hard_direct_rate"] == 0.0 and world["error_rate"] == 0.1 and world["easy_code_rate"] == 0.3
     rows = [json.loads(x) for x in open(tmp_path / "grpo" / "metrics.jsonl")]

@@ -250,8 +250,8 @@ def test_intervals_differences_and_sampled_pairs(tmp_path):
     out = tmp_path / "report"
     write_report(str(out), evals=evals, eval_trajectories=paths, sft_metrics=[], grpo_metrics=[])
 
-    def ci_text(v, ci):
-        return f"{fmt_metric('accuracy', v)} [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
+    def ci_text(v, ci):  # a group without executions has no execution success (n/a, no interval)
+        return "n/a" if np.isnan(v) else f"{fmt_metric('accuracy', v)} [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
 
     md = (out / "report.md").read_text()
     page = (out / "report.html").read_text()
@@ -329,7 +329,7 @@ def test_grpo_step_rates_with_intervals(tmp_path):
     for step in range(3):
         for i in rng.choice(6, size=3, replace=False):
             for _ in range(4):  # a group of 4 rollouts per prompt
-                recs.append({"prompt_id": f"rl-{i}", "policy": f"/w/grpo/policies/step_{step}",
+                recs.append({"prompt_id": f"rl-{i}@{step // 2}", "policy": f"/w/grpo/policies/step_{step}",
                              "correct": bool(rng.random() < 0.5),
                              "turn_status": ["ok", "no_code"] if rng.random() < 0.5 else ["no_code"]})
     path = tmp_path / "trajectories.jsonl"
@@ -338,10 +338,11 @@ def test_grpo_step_rates_with_intervals(tmp_path):
     rows = step_rates(recs, diff)
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["n"] == 12 for r in rows)
     second = [r for r in recs if r["policy"].endswith("step_1")]
-    hard = [r for r in second if diff[r["prompt_id"]]["difficulty"] == "hard"]
-    if hard:
+    hard = [r for r in second if diff[r["prompt_id"].split("@")[0]]["difficulty"] == "hard"]
+    if hard:  # GRPO's `{id}@{epoch}` prompt ids find their metadata
         assert rows[1]["difficulty=hard/accuracy"] == pytest.approx(np.mean([r["correct"] for r in hard]))
-    want = rate_intervals(second, [diff[r["prompt_id"]] for r in second], ("difficulty",))
+    want = rate_intervals(second, [diff[r["prompt_id"].split("@")[0]] for r in second], ("difficulty",))
+    assert rows[1]["difficulty=hard/accuracy_ci95"] == pytest.approx(want["difficulty=hard/accuracy_ci95"])
     assert rows[1]["accuracy_ci95"] == pytest.approx(want["accuracy_ci95"])
     assert rows[1]["tool_rate"] == pytest.approx(np.mean([len(r["turn_status"]) > 1 for r in second]))
     written = write_report(str(tmp_path / "r"), evals={}, eval_trajectories={}, sft_metrics=[], grpo_metrics=[],
