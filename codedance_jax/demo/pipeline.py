@@ -201,6 +201,7 @@ def run(c, workdir: str) -> dict:
         sft_metrics=_read_jsonl(os.path.join(sft_dir, "metrics.jsonl")),
         grpo_metrics=_read_jsonl(os.path.join(grpo_dir, "metrics.jsonl")),
         world=world, timings=timings, targets=dict(c.targets), examples_per_group=c.examples_per_group,
+        effect_targets=dict(c.effect_targets),
     )
     with open(paths["summary.json"]) as f:
         summary = json.load(f)

@@ -353,6 +353,53 @@ def adaptive_checks(evals: Mapping[str, Mapping], before: str = "sft", after: st
     return checks
 
 
+def effect_checks(evals: Mapping[str, Mapping], diffs: Mapping[str, Mapping], spec: Mapping | None,
+                  before: str = "sft", after: str = "grpo") -> list[dict]:
+    """Issue 18's targets for GRPO against SFT (`spec`: `accuracy_gain` (sampled, and its interval
+    above 0), `easy_tool_rate_ratio` (easy-item tool rate after <= ratio x before, greedy and
+    sampled), `hard_tool_rate_min` (hard items' tool rate after, both)); greedy accuracy and hard
+    accuracy must not fall. `met` is None where an evaluation or a value is missing."""
+    if not spec:
+        return []
+    bs, as_ = f"{before}_sampled", f"{after}_sampled"
+    sampled = diffs.get(f"{as_} - {bs}", {})
+    greedy = diffs.get(f"{after} - {before}", {})
+    out = []
+
+    def add(name, met, detail):
+        out.append({"name": name, "met": met, "detail": detail})
+
+    gain = float(spec.get("accuracy_gain", 0.05))
+    d = sampled.get("accuracy") or {}
+    ok = None if d.get("diff") is None or d.get("ci95") is None else bool(d["diff"] >= gain and d["ci95"][0] > 0)
+    add(f"sampled accuracy {as_} >= {bs} + {100 * gain:.0f} pts, interval above 0", ok,
+        f"{_fmt_diff(d.get('diff'), d.get('ci95'))}")
+    for pair, label in ((greedy, "greedy"), (sampled, "sampled")):
+        for key in ("accuracy", "accuracy, hard"):
+            d = pair.get(key) or {}
+            ok = None if d.get("diff") is None else bool(d["diff"] >= 0)
+            add(f"{label} {key} does not fall", ok, _fmt_diff(d.get("diff"), d.get("ci95")))
+    ratio = float(spec.get("easy_tool_rate_ratio", 0.5))
+    hard_min = float(spec.get("hard_tool_rate_min", 0.9))
+    for b, a, label in ((before, after, "greedy"), (bs, as_, "sampled")):
+        eb, ea = evals.get(b), evals.get(a)
+        vb = _num(lookup(eb, "easy_tool_rate")) if eb else None
+        va = _num(lookup(ea, "easy_tool_rate")) if ea else None
+        ok = None if vb is None or va is None else bool(va <= ratio * vb)
+        add(f"{label} easy-item tool-call rate {a} <= {ratio:g} x {b}", ok,
+            f"{fmt_metric('tool_rate', vb)} -> {fmt_metric('tool_rate', va)}")
+        vh = _num(lookup(ea, "hard_tool_rate")) if ea else None
+        add(f"{label} hard-item tool-call rate {a} >= {fmt_metric('tool_rate', hard_min)}",
+            None if vh is None else bool(vh >= hard_min), fmt_metric("tool_rate", vh))
+    return out
+
+
+def _check_html(c: Mapping) -> str:
+    cls = {True: "met", False: "notmet"}.get(c["met"], "")
+    return (f'<li>{html.escape(c["name"])}: <span class="{cls}">{html.escape(_verdict(c["met"]))}</span> '
+            f"({html.escape(c['detail'])})</li>")
+
+
 def _verdict(met) -> str:
     return "not evaluated" if met is None else ("met" if met else "NOT met")
 
@@ -680,6 +727,7 @@ def write_report(
     sft_data: Sequence[str] | str | None = None,
     grpo_trajectories: str | None = None,
     prompt_metas: str | None = None,
+    effect_targets: Mapping | None = None,
     world: Mapping | None = None,
     timings: Mapping[str, float] | None = None,
     targets: Mapping | None = None,
@@ -694,7 +742,8 @@ def write_report(
     {path relative to out_dir: absolute path} of every file written. `sft_data`: the SFT JSONL
     (the calls the analytics call "seen"); `grpo_trajectories`: GRPO's rollout records (the
     analytics' per-step curves, and each step's accuracy and tool-call rate with 95% intervals);
-    `prompt_metas`: the RL prompts' JSONL (`id`, `difficulty`: the per-difficulty step rates)."""
+    `prompt_metas`: the RL prompts' JSONL (`id`, `difficulty`: the per-difficulty step rates);
+    `effect_targets`: `effect_checks`' spec (GRPO against SFT, issue 18)."""
     out_dir = os.path.abspath(os.fspath(out_dir))
     os.makedirs(out_dir, exist_ok=True)
     evals = {str(k): dict(v or {}) for k, v in (evals or {}).items()}
@@ -724,6 +773,7 @@ def write_report(
     for b, a in pairs[1:]:  # the sampled pair: the policy the reward acts on
         checks += adaptive_checks(evals, b, a, hard_tool_rate_min)
     diffs = {f"{a} - {b}": differences(evals, b, a) for b, a in pairs}
+    effects = effect_checks(evals, diffs, effect_targets, before, after)
     t_eval = eval_table(evals)
     t_rates = [(title, rate_breakdown_table(evals, m)) for m, title in BREAKDOWN_RATES]
     has_breakdown = bool(_prefixes(evals))
@@ -748,6 +798,7 @@ def write_report(
                     "all_met": {n: all(r["met"] for r in res.values()) for n, res in target_res.items()}},
         "adaptive_checks": checks,
         "differences": diffs,
+        "effect_checks": effects,
         "intervals": INTERVALS_NOTE,
         "tool_use": {"evals": tools["evals"], "grpo_curves": tools["curves"], "sft_calls": tools["sft_calls"]},
         "grpo_step_rates": steps,
@@ -786,6 +837,9 @@ def write_report(
         md += ["No targets given.", ""]
     md += ["### Adaptive tool use", ""]
     md += [f"- {c['name']}: **{_verdict(c['met'])}** ({c['detail']})" for c in checks] + [""]
+    if effects:
+        md += ["### GRPO against SFT (issue 18)", ""]
+        md += [f"- {c['name']}: **{_verdict(c['met'])}** ({c['detail']})" for c in effects] + [""]
     md += ["## Tool use (from the executed cells)", ""]
     if t_tools[1]:
         md += [TOOL_NOTE, "", _md_table(*t_tools), ""]
@@ -832,10 +886,10 @@ def write_report(
     h.append("<h2>Targets</h2>")
     h.append(_html_table(*t_targets) if targets else "<p>No targets given.</p>")
     h.append("<h3>Adaptive tool use</h3><ul>")
-    for c in checks:
-        cls = {True: "met", False: "notmet"}.get(c["met"], "")
-        h.append(f'<li>{html.escape(c["name"])}: <span class="{cls}">{html.escape(_verdict(c["met"]))}</span> '
-                 f"({html.escape(c['detail'])})</li>")
+    h += [_check_html(c) for c in checks]
+    if effects:
+        h.append("</ul><h3>GRPO against SFT (issue 18)</h3><ul>")
+        h += [_check_html(c) for c in effects]
     h.append("</ul><h2>Tool use (from the executed cells)</h2>")
     if t_tools[1]:
         h += [f"<p class='meta'>{html.escape(TOOL_NOTE)}</p>", _html_table(*t_tools)]

@@ -351,3 +351,43 @@ def test_grpo_step_rates_with_intervals(tmp_path):
     s = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert s["grpo_step_rates"][1]["accuracy_ci95"] == pytest.approx(want["accuracy_ci95"])
     assert "grpo_step_rates.png" in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_effect_checks_grpo_against_sft(tmp_path):
+    """Issue 18's targets read from the evaluations and their differences: met, not met, not evaluated."""
+    from eval.intervals import wilson
+
+    def ev(acc, easy_tool, hard_tool, hard_acc, n=120):
+        s = {}
+        for key, v, m in (("accuracy", acc, n), ("difficulty=easy/tool_rate", easy_tool, n // 2),
+                          ("difficulty=hard/tool_rate", hard_tool, n // 2), ("difficulty=hard/accuracy", hard_acc, n // 2)):
+            s[key], s[f"{key}_ci95"] = v, list(wilson(round(v * m), m))
+        return s
+
+    rng = np.random.default_rng()
+    base = float(rng.uniform(0.4, 0.6))
+    evals = {"sft": ev(base, 0.4, 1.0, 0.8), "sft_sampled": ev(base, 0.5, 0.95, 0.7),
+             "grpo": ev(base - 0.1, 0.1, 0.95, 0.85), "grpo_sampled": ev(base + 0.2, 0.2, 0.92, 0.75)}
+    spec = {"accuracy_gain": 0.05, "easy_tool_rate_ratio": 0.5, "hard_tool_rate_min": 0.9}
+    write_report(str(tmp_path), evals=evals, eval_trajectories={}, sft_metrics=[], grpo_metrics=[],
+                 effect_targets=spec)
+    s = json.loads((tmp_path / "summary.json").read_text())
+    got = {c["name"]: c["met"] for c in s["effect_checks"]}
+    assert got["sampled accuracy grpo_sampled >= sft_sampled + 5 pts, interval above 0"] is True
+    assert got["greedy accuracy does not fall"] is False  # 10 points lower, honestly NOT met
+    assert got["sampled accuracy, hard does not fall"] is True
+    assert got["greedy easy-item tool-call rate grpo <= 0.5 x sft"] is True
+    assert got["sampled easy-item tool-call rate grpo_sampled <= 0.5 x sft_sampled"] is True
+    assert got["sampled hard-item tool-call rate grpo_sampled >= 90.0%"] is True
+    md = (tmp_path / "report.md").read_text()
+    assert "### GRPO against SFT (issue 18)" in md and "greedy accuracy does not fall: **NOT met**" in md
+    # A gain whose interval reaches 0 is not enough; without sampled evaluations: not evaluated.
+    evals["grpo_sampled"] = ev(base + 0.06, 0.2, 0.92, 0.75, n=24)
+    evals["sft_sampled"] = ev(base, 0.5, 0.95, 0.7, n=24)
+    write_report(str(tmp_path), evals=evals, eval_trajectories={}, sft_metrics=[], grpo_metrics=[], effect_targets=spec)
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["effect_checks"][0]["met"] is False
+    del evals["grpo_sampled"]
+    write_report(str(tmp_path), evals=evals, eval_trajectories={}, sft_metrics=[], grpo_metrics=[], effect_targets=spec)
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["effect_checks"][0]["met"] is None
