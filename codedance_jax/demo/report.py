@@ -385,9 +385,11 @@ def effect_checks(evals: Mapping[str, Mapping], diffs: Mapping[str, Mapping], sp
         eb, ea = evals.get(b), evals.get(a)
         vb = _num(lookup(eb, "easy_tool_rate")) if eb else None
         va = _num(lookup(ea, "easy_tool_rate")) if ea else None
-        ok = None if vb is None or va is None else bool(va <= ratio * vb)
+        # A cold start that calls no tool on easy items leaves nothing to halve: not evaluated.
+        ok = None if vb is None or va is None or vb == 0 else bool(va <= ratio * vb)
         add(f"{label} easy-item tool-call rate {a} <= {ratio:g} x {b}", ok,
-            f"{fmt_metric('tool_rate', vb)} -> {fmt_metric('tool_rate', va)}")
+            f"{fmt_metric('tool_rate', vb)} -> {fmt_metric('tool_rate', va)}"
+            + (f" ({b} calls no tool on easy items)" if vb == 0 else ""))
         vh = _num(lookup(ea, "hard_tool_rate")) if ea else None
         add(f"{label} hard-item tool-call rate {a} >= {fmt_metric('tool_rate', hard_min)}",
             None if vh is None else bool(vh >= hard_min), fmt_metric("tool_rate", vh))

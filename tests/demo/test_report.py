@@ -387,6 +387,10 @@ def test_effect_checks_grpo_against_sft(tmp_path):
     write_report(str(tmp_path), evals=evals, eval_trajectories={}, sft_metrics=[], grpo_metrics=[], effect_targets=spec)
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["effect_checks"][0]["met"] is False
+    evals["sft"] = ev(base, 0.0, 1.0, 0.8)  # SFT calls no tool on easy items: nothing to halve
+    write_report(str(tmp_path), evals=evals, eval_trajectories={}, sft_metrics=[], grpo_metrics=[], effect_targets=spec)
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert {c["name"]: c["met"] for c in s["effect_checks"]}["greedy easy-item tool-call rate grpo <= 0.5 x sft"] is None
     del evals["grpo_sampled"]
     write_report(str(tmp_path), evals=evals, eval_trajectories={}, sft_metrics=[], grpo_metrics=[], effect_targets=spec)
     s = json.loads((tmp_path / "summary.json").read_text())
