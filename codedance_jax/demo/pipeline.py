@@ -234,7 +234,8 @@ def prepare_sft(c, workdir: str) -> tuple[dict, str]:
 
 def ablate(c, workdir: str, modes=tuple(m for m, _ in ABLATION_ROWS)) -> dict:
     """Table 3 on the toy world: the reward variants trained from the same SFT policy with the same
-    seeds (same prompts per step, same sampling keys), each evaluated on the held-out split."""
+    seeds (same prompts per step, same sampling keys), each evaluated on the held-out split, greedy
+    and (with `eval.samples` > 0) sampled: results `sft`, `sft_sampled`, `{mode}`, `{mode}_sampled`."""
     from codedance_jax.demo.report import fmt_ci
     from codedance_jax.runs import grpo as grpo_run
 
@@ -243,7 +244,9 @@ def ablate(c, workdir: str, modes=tuple(m for m, _ in ABLATION_ROWS)) -> dict:
     _, sft_policy = prepare_sft(c, workdir)
     results = {}
     with _pool(c) as pool:
-        results["sft"] = evaluate_policy(c, workdir, sft_policy, os.path.join(workdir, "eval_sft"), pool)
+        for name, sampled in eval_phases(c, "sft"):
+            results[name] = evaluate_policy(c, workdir, sft_policy, os.path.join(workdir, f"eval_{name}"), pool,
+                                            sampled=sampled)
     for mode in modes:
         run_dir = os.path.join(workdir, "ablate", mode)
         policy = os.path.join(run_dir, "policy")
@@ -251,8 +254,11 @@ def ablate(c, workdir: str, modes=tuple(m for m, _ in ABLATION_ROWS)) -> dict:
             _log(f"GRPO, reward {mode}: {c.grpo.total_steps} steps")
             grpo_run.train_and_evaluate(grpo_config(c, workdir, sft_policy, mode=mode), run_dir)
         with _pool(c) as pool:
-            results[mode] = evaluate_policy(c, workdir, policy, os.path.join(workdir, "ablate", f"eval_{mode}"), pool)
+            for name, sampled in eval_phases(c, mode):
+                results[name] = evaluate_policy(c, workdir, policy, os.path.join(workdir, "ablate", f"eval_{name}"),
+                                                pool, sampled=sampled)
     names = {"sft": "SFT cold start", **dict(ABLATION_ROWS)}
+    names.update({f"{k}_sampled": f"{v}, sampled (k={c.eval.samples})" for k, v in list(names.items())})
     cols = ("accuracy", "avg_turns", "exec_success", "difficulty=easy/tool_rate", "difficulty=hard/tool_rate")
     lines = ["| reward | accuracy | avg turns | exec success | tool rate easy | tool rate hard |",
              "|---|---|---|---|---|---|"]

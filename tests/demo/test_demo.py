@@ -58,7 +58,9 @@ def test_demo_mini_writes_the_report(tmp_path):
     from codedance_jax.demo.pipeline import ablate
 
     results = ablate(demo.get_config("mini"), str(tmp_path), modes=("outcome",))
-    assert list(results) == ["sft", "outcome"]
+    assert list(results) == ["sft", "sft_sampled", "outcome", "outcome_sampled"]
+    assert results["sft_sampled"]["time_s"] == summary["evals"]["sft_sampled"]["time_s"]  # reused, not re-run
     table = (tmp_path / "ablation.md").read_text()
     assert "SFT cold start" in table and "GRPO (R_acc + R_format)" in table
+    assert "GRPO (R_acc + R_format), sampled (k=2)" in table
     assert (tmp_path / "ablate" / "outcome" / "policy" / "codedance.json").exists()
