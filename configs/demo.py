@@ -5,7 +5,7 @@ r"""The end-to-end demo on the toy world: world -> SFT -> eval -> GRPO (R_BAT) -
 
 The demo is three complete run configs built from the SFT and GRPO ones (as big_vision configs
 compose `common.py`): `sft` (configs/sft.py:tiny with the toy model), `grpo` (configs/grpo.py:tiny)
-and `eval` (greedy held-out evaluation, the field names of configs/eval.py). The pipeline fills in
+and `eval` (held-out evaluation, greedy and sampled, the field names of configs/eval.py). The pipeline fills in
 paths only (world files, the SFT policy); every size is here and can be overridden, e.g.
 --config.sft.total_steps=400 --config.grpo.rbat.mode=no_turn --config.grpo.rollout.obs_buckets=64,256.
 Fields shared between runs are references: overriding `seed`, `world.max_pixels`, a GRPO rollout
@@ -31,9 +31,14 @@ def get_config(preset: str = "default") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
     seed = c.get_ref("seed")
+    # The world's calibration knobs (data/toyworld/world.py; world.json records each and what it
+    # produced): hard_frac = share of hard SFT/RL items; easy_code_rate = share of easy SFT items
+    # solved with code (the cold start's tool over-use that R_BAT should remove); hard_direct_rate
+    # = share of hard SFT items answered by sight without code (accuracy for RL to gain);
+    # error_rate = share of hard SFT items that recover from a failed first cell.
     c.world = ml_collections.ConfigDict(dict(
         n_sft=24 if mini else 1600, n_rl=16 if mini else 400, n_eval=12 if mini else 120,
-        hard_frac=0.5, easy_code_rate=0.3, error_rate=0.1, workers=2, max_pixels=168 * 168,
+        hard_frac=0.5, easy_code_rate=0.3, hard_direct_rate=0.0, error_rate=0.1, workers=2, max_pixels=168 * 168,
     ))
     c.world.seed = seed
 
@@ -72,12 +77,21 @@ def get_config(preset: str = "default") -> ml_collections.ConfigDict:
     g.metric_keys = ("difficulty",)
     g.checkpoint.update(every_steps=_ceil_div(g.get_ref("total_steps"), 3), keep=2)
     g.log_every = 1
+    # The rollouts of about 20 steps (and their sampling policy) go to grpo/trajectories.jsonl: the
+    # report's per-step rates with intervals and tool-use curves are read from them.
+    g.trajectories_every = _ceil_div(g.get_ref("total_steps"), 20)
     c.grpo = g
 
-    # Greedy evaluation of a policy on the held-out split, with the GRPO rollout budgets.
+    # Evaluation of a policy on the held-out split, with the GRPO rollout budgets: greedy, and
+    # sampled as GRPO samples (its temperature, top-p, top-k; `samples` draws per item, 0 = off),
+    # since the sampling policy is the one the reward acts on. batch_size counts rollout rows (a
+    # sampled batch holds batch_size // samples items).
     r = g.rollout
-    c.eval = ml_collections.ConfigDict(dict(batch_size=16 if mini else 64, limit=0, metric_keys=("family", "difficulty")))
+    c.eval = ml_collections.ConfigDict(dict(batch_size=16 if mini else 64, limit=0, metric_keys=("family", "difficulty"),
+                                            samples=2 if mini else 4))
     c.eval.seed = seed
+    for k in ("temperature", "top_p", "top_k"):
+        setattr(c.eval, k, r.get_ref(k))
     c.eval.rollout = ml_collections.ConfigDict()
     c.eval.rollout.max_turns = 3
     for k in ("turn_format", "max_turn_tokens", "max_new_tokens", "max_total_tokens", "decode_chunk",
@@ -88,5 +102,10 @@ def get_config(preset: str = "default") -> ml_collections.ConfigDict:
         setattr(c.eval.sandbox, k, g.sandbox.get_ref(k))
 
     c.targets = ml_collections.ConfigDict(dict(hard_accuracy=0.9, overall_accuracy=0.75))
+    # Issue 18's targets for GRPO against SFT (demo/report.py: effect_checks): sampled accuracy up by
+    # accuracy_gain with its interval above 0, greedy and hard accuracy not lower, the easy-item tool
+    # rate at most easy_tool_rate_ratio of SFT's (greedy and sampled), hard items' >= hard_tool_rate_min.
+    c.effect_targets = ml_collections.ConfigDict(dict(accuracy_gain=0.05, easy_tool_rate_ratio=0.5,
+                                                      hard_tool_rate_min=0.9))
     c.examples_per_group = 1 if mini else 2
     return c

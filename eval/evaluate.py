@@ -99,6 +99,17 @@ def evaluate(config, workdir: str) -> dict:
             with open(os.path.join(workdir, "summary.json")) as f:
                 summary = json.load(f)
             return summary
+    _write_tool_use(workdir)
     write_report(workdir, summary)
     logging.info("summary: %s", json.dumps(summary))
     return summary
+
+
+def _write_tool_use(workdir: str) -> None:
+    """`tool_use.json`: the executed cells' libraries, calls and behaviours (`eval.tool_analytics`)."""
+    from eval import tool_analytics
+    from eval.runner import TRAJECTORIES, read_jsonl
+
+    records = list({r["id"]: r for r in read_jsonl(os.path.join(workdir, TRAJECTORIES))[0]}.values())
+    with open(os.path.join(workdir, "tool_use.json"), "w") as f:
+        json.dump(tool_analytics.analyze(records, keys=()), f, indent=2)

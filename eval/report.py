@@ -15,6 +15,7 @@ import html
 import json
 import os
 
+from eval import tool_analytics
 from eval.runner import PREDICTIONS, TRAJECTORIES, read_jsonl
 from eval.summary import TABLE_COLUMNS, _fmt
 from eval.trajectory_html import trajectory_html
@@ -60,6 +61,23 @@ JS = """
 """
 
 
+def tool_use_html(records: list[dict]) -> str:
+    """The run's tool use from its executed cells (`eval.tool_analytics`): trajectories with code,
+    cells, the share of cells showing each behaviour, the most used calls."""
+    st = tool_analytics.analyze(records, keys=())["all"]
+    if not st["cells"]:
+        return '<p class="meta">tool use: no executed cells</p>'
+    labels = [label for label, _ in tool_analytics.BEHAVIOURS]
+    beh = st["behaviour_cell_rate"]
+    head = ["with code", "cells", "calls / cell"] + labels
+    row = [f"{st['with_code']} / {st['trajectories']}", str(st["cells"]), f"{st['calls_per_cell']:.2f}"]
+    row += [f"{100 * beh[lb]:.0f}%" for lb in labels]
+    calls = ", ".join(f"{c} ({n})" for c, n in st["top_calls"])
+    return ('<h2>Tool use</h2><table class="summary"><tr>' + "".join(f"<th>{html.escape(h)}</th>" for h in head)
+            + "</tr><tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr></table>"
+            + f'<p class="meta">share of executed cells; most used calls (cells): {html.escape(calls)}</p>')
+
+
 def write_report(workdir: str, summary: dict | None = None, embed: bool = False, title: str | None = None) -> str:
     """Write `workdir/report.html` from the run's predictions, trajectories and summary."""
     preds, _ = read_jsonl(os.path.join(workdir, PREDICTIONS))
@@ -86,6 +104,7 @@ def write_report(workdir: str, summary: dict | None = None, embed: bool = False,
             f'<p class="meta">ours = {html.escape(str(summary.get("headline_metric")))}; accuracy (rule) = '
             f"VLMEvalKit's rule-based verdicts, deferred items counted wrong.</p>"
         )
+    out.append(tool_use_html(list(trajs.values())))
     counts = {v: sum(p["rule_verdict"] == v for p in preds) for v in ("correct", "wrong", "deferred")}
     failed = sum(p["num_tool_calls"] > p["exec_ok"] for p in preds)
     out.append(

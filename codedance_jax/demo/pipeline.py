@@ -2,13 +2,16 @@
 
 Every phase is the real component a user would launch on a pod, with the toy world's sizes:
 `data.toyworld.generate_world` (expert trajectories executed in the sandbox), `runs.sft`
-(TFDS + grain + the sharded SFT step; it exports WORKDIR/sft/policy), evaluation = greedy
-multi-turn rollouts of the held-out split through `RolloutEngine` + `SandboxPool`, `runs.grpo`
-(rollouts, R_BAT, GRPO update; exports WORKDIR/grpo/policy), and `demo.report`.
+(TFDS + grain + the sharded SFT step; it exports WORKDIR/sft/policy), evaluation = multi-turn
+rollouts of the held-out split through `RolloutEngine` + `SandboxPool`, greedy and sampled (the
+GRPO rollouts' temperature, `eval.samples` draws per item; 0 turns the sampled one off), with 95%
+intervals on every rate (`eval.intervals`), `runs.grpo` (rollouts, R_BAT, GRPO update; exports
+WORKDIR/grpo/policy), and `demo.report`.
 
 Workdir layout: world/ (world.json, sft/, rl/, eval/, processor/), sft/ (checkpoints, metrics.jsonl,
-policy/), eval_sft/ and eval_grpo/ (trajectories.jsonl + images/, summary.json), grpo/ (checkpoints,
-metrics.jsonl, policy/), report/ (report.md, report.html, summary.json, plots/). A phase whose
+policy/), eval_sft/, eval_grpo/, eval_sft_sampled/, eval_grpo_sampled/ (trajectories.jsonl +
+images/, summary.json), grpo/ (checkpoints, metrics.jsonl, trajectories.jsonl, policy/), report/
+(report.md, report.html, summary.json, plots/). A phase whose
 output exists is skipped, so a killed demo continues where it stopped (SFT and GRPO resume from
 their checkpoints).
 
@@ -61,8 +64,16 @@ def grpo_config(c, workdir: str, policy: str, *, mode: str | None = None) -> ml_
     return g
 
 
-def evaluate_policy(c, workdir: str, policy: str, out_dir: str, pool) -> dict:
-    """Greedy rollouts of the held-out split; writes trajectories.jsonl (+ `text`, `meta`) and summary.json."""
+def eval_phases(c, name: str) -> list[tuple[str, bool]]:
+    """The evaluations of phase `name`: (eval name, sampled), greedy first (`{name}_sampled` when
+    `eval.samples` > 0)."""
+    return [(name, False)] + ([(f"{name}_sampled", True)] if c.eval.samples > 0 else [])
+
+
+def evaluate_policy(c, workdir: str, policy: str, out_dir: str, pool, *, sampled: bool = False) -> dict:
+    """Rollouts of the held-out split, greedy (one per item) or sampled (`eval.samples` per item at
+    `eval.temperature`); writes trajectories.jsonl (+ `text`, `meta`) and summary.json (the rates'
+    95% intervals included)."""
     import codedance_jax
     from codedance_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig, save_jsonl
     from data.rl_prompts import read_prompts_jsonl
@@ -78,9 +89,14 @@ def evaluate_policy(c, workdir: str, policy: str, out_dir: str, pool) -> dict:
         prompts = prompts[: e.limit]
     model, processor = codedance_jax.from_pretrained(policy)
     rcfg = RolloutConfig.eval(**e.rollout, policy=policy)
-    engine = RolloutEngine(model, processor, rcfg, SamplingConfig(greedy=True, seed=e.seed))
+    if sampled:
+        sampling = SamplingConfig(temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, seed=e.seed)
+        samples, batch = int(e.samples), max(1, int(e.batch_size) // int(e.samples))  # rows per batch as greedy
+    else:
+        sampling, samples, batch = SamplingConfig(greedy=True, seed=e.seed), 1, e.batch_size
+    engine = RolloutEngine(model, processor, rcfg, sampling)
     t0 = time.perf_counter()
-    res = evaluate(engine, prompts, pool, batch=e.batch_size, keys=tuple(e.metric_keys))
+    res = evaluate(engine, prompts, pool, batch=batch, keys=tuple(e.metric_keys), samples=samples, intervals=True)
     summary, trajs = res.summary, res.trajectories
     summary["time_s"] = time.perf_counter() - t0
     os.makedirs(out_dir, exist_ok=True)
@@ -99,6 +115,19 @@ def evaluate_policy(c, workdir: str, policy: str, out_dir: str, pool) -> dict:
     with open(summary_path, "w") as f:
         json.dump(summary, f, indent=2)
     return summary
+
+
+def _evaluate_phase(c, workdir: str, name: str, policy: str, pool, timings: dict) -> dict:
+    """Every evaluation of phase `name` (greedy, then sampled), timed into `timings[eval_{name}...]`."""
+    out = {}
+    for ev_name, sampled in eval_phases(c, name):
+        t0 = time.perf_counter()
+        out[ev_name] = s = evaluate_policy(c, workdir, policy, os.path.join(workdir, f"eval_{ev_name}"), pool,
+                                           sampled=sampled)
+        lo, hi = s.get("accuracy_ci95") or (float("nan"), float("nan"))
+        _log(f"    {ev_name}: accuracy {s['accuracy']:.3f} [{lo:.3f}, {hi:.3f}], tool-call rate {s['tool_rate']:.3f}")
+        timings[f"eval_{ev_name}"] = time.perf_counter() - t0
+    return out
 
 
 def _pool(c):
@@ -142,12 +171,10 @@ def run(c, workdir: str) -> dict:
         sft_run.train_and_evaluate(sft_config(c, workdir), sft_dir)
     timings["sft"] = time.perf_counter() - t0
 
+    evals = {}
     with _pool(c) as pool:
-        t0 = time.perf_counter()
         _log("3/5 evaluating the SFT policy on the held-out split")
-        ev_sft = evaluate_policy(c, workdir, sft_policy, os.path.join(workdir, "eval_sft"), pool)
-        _log(f"    SFT: accuracy {ev_sft['accuracy']:.3f}, tool-call rate {ev_sft['tool_rate']:.3f}")
-        timings["eval_sft"] = time.perf_counter() - t0
+        evals.update(_evaluate_phase(c, workdir, "sft", sft_policy, pool, timings))
 
     t0 = time.perf_counter()
     grpo_dir = os.path.join(workdir, "grpo")
@@ -159,21 +186,22 @@ def run(c, workdir: str) -> dict:
     timings["grpo"] = time.perf_counter() - t0
 
     with _pool(c) as pool:
-        t0 = time.perf_counter()
         _log("5/5 evaluating the GRPO policy and writing the report")
-        ev_grpo = evaluate_policy(c, workdir, grpo_policy, os.path.join(workdir, "eval_grpo"), pool)
-        timings["eval_grpo"] = time.perf_counter() - t0
+        evals.update(_evaluate_phase(c, workdir, "grpo", grpo_policy, pool, timings))
 
     total = time.perf_counter() - t_all  # the report adds the phases up itself
     _log(f"all phases: {total:.0f} s")
     paths = write_report(
         os.path.join(workdir, "report"),
-        evals={"sft": ev_sft, "grpo": ev_grpo},
-        eval_trajectories={"sft": os.path.join(workdir, "eval_sft", "trajectories.jsonl"),
-                           "grpo": os.path.join(workdir, "eval_grpo", "trajectories.jsonl")},
+        evals=evals,
+        eval_trajectories={n: os.path.join(workdir, f"eval_{n}", "trajectories.jsonl") for n in evals},
+        sft_data=os.path.join(world_dir(workdir), "sft", "sft.jsonl"),
+        grpo_trajectories=os.path.join(grpo_dir, "trajectories.jsonl"),
+        prompt_metas=os.path.join(world_dir(workdir), "rl", "prompts.jsonl"),
         sft_metrics=_read_jsonl(os.path.join(sft_dir, "metrics.jsonl")),
         grpo_metrics=_read_jsonl(os.path.join(grpo_dir, "metrics.jsonl")),
         world=world, timings=timings, targets=dict(c.targets), examples_per_group=c.examples_per_group,
+        effect_targets=dict(c.effect_targets),
     )
     with open(paths["summary.json"]) as f:
         summary = json.load(f)
@@ -206,8 +234,9 @@ def prepare_sft(c, workdir: str) -> tuple[dict, str]:
 
 def ablate(c, workdir: str, modes=tuple(m for m, _ in ABLATION_ROWS)) -> dict:
     """Table 3 on the toy world: the reward variants trained from the same SFT policy with the same
-    seeds (same prompts per step, same sampling keys), each evaluated on the held-out split."""
-    from codedance_jax.demo.report import fmt_metric
+    seeds (same prompts per step, same sampling keys), each evaluated on the held-out split, greedy
+    and (with `eval.samples` > 0) sampled: results `sft`, `sft_sampled`, `{mode}`, `{mode}_sampled`."""
+    from codedance_jax.demo.report import fmt_ci
     from codedance_jax.runs import grpo as grpo_run
 
     workdir = os.path.abspath(workdir)
@@ -215,7 +244,9 @@ def ablate(c, workdir: str, modes=tuple(m for m, _ in ABLATION_ROWS)) -> dict:
     _, sft_policy = prepare_sft(c, workdir)
     results = {}
     with _pool(c) as pool:
-        results["sft"] = evaluate_policy(c, workdir, sft_policy, os.path.join(workdir, "eval_sft"), pool)
+        for name, sampled in eval_phases(c, "sft"):
+            results[name] = evaluate_policy(c, workdir, sft_policy, os.path.join(workdir, f"eval_{name}"), pool,
+                                            sampled=sampled)
     for mode in modes:
         run_dir = os.path.join(workdir, "ablate", mode)
         policy = os.path.join(run_dir, "policy")
@@ -223,13 +254,17 @@ def ablate(c, workdir: str, modes=tuple(m for m, _ in ABLATION_ROWS)) -> dict:
             _log(f"GRPO, reward {mode}: {c.grpo.total_steps} steps")
             grpo_run.train_and_evaluate(grpo_config(c, workdir, sft_policy, mode=mode), run_dir)
         with _pool(c) as pool:
-            results[mode] = evaluate_policy(c, workdir, policy, os.path.join(workdir, "ablate", f"eval_{mode}"), pool)
+            for name, sampled in eval_phases(c, mode):
+                results[name] = evaluate_policy(c, workdir, policy, os.path.join(workdir, "ablate", f"eval_{name}"),
+                                                pool, sampled=sampled)
     names = {"sft": "SFT cold start", **dict(ABLATION_ROWS)}
+    names.update({f"{k}_sampled": f"{v}, sampled (k={c.eval.samples})" for k, v in list(names.items())})
     cols = ("accuracy", "avg_turns", "exec_success", "difficulty=easy/tool_rate", "difficulty=hard/tool_rate")
     lines = ["| reward | accuracy | avg turns | exec success | tool rate easy | tool rate hard |",
              "|---|---|---|---|---|---|"]
     for key, summ in results.items():
-        cells = [fmt_metric(col.rpartition("/")[2] or col, summ.get(col, float("nan"))) for col in cols]
+        cells = [fmt_ci(col.rpartition("/")[2] or col, summ.get(col, float("nan")), summ.get(f"{col}_ci95"))
+                 for col in cols]
         lines.append(f"| {names.get(key, key)} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     with open(os.path.join(workdir, "ablation.md"), "w") as f:

@@ -6,9 +6,13 @@
 
 `evals[name]` is a `codedance_jax.rl.scoring.summarize` dict (`accuracy`, `avg_turns`,
 `exec_success`, `tool_calls`, `tool_rate`, `n`, and `family=count/accuracy`,
-`difficulty=hard/tool_rate`, `family=count,difficulty=hard/accuracy`, ...). Evaluations appear in
-the dict's order. Rates are printed as percentages, a metric that was not measured (NaN: no code
-ran) as "n/a".
+`difficulty=hard/tool_rate`, `family=count,difficulty=hard/accuracy`, ...), optionally with the
+rates' 95% intervals (`{key}_ci95` = [lo, hi], `eval.intervals.rate_intervals`), `n_items` and
+`samples_per_item` (a sampled evaluation, named `{phase}_sampled`). Evaluations appear in the
+dict's order. Rates are printed as percentages with their interval in brackets, a metric that was
+not measured (NaN: no code ran) as "n/a". Pairs of evaluations (`before` -> `after`, and
+`{before}_sampled` -> `{after}_sampled` when both exist) get a table of differences with
+Newcombe's interval (`eval.intervals.difference`), a difference whose interval excludes 0 marked.
 
 Targets: each key is `{scope}_{metric}` (`overall_accuracy`, `hard_accuracy`, `count_tool_rate`:
 the scope is matched against the breakdown values) or a summary key itself
@@ -41,12 +45,15 @@ from collections.abc import Mapping, Sequence
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from eval import tool_analytics
+from eval.intervals import difference, rate_intervals
 from eval.report import CSS as EVAL_CSS
 from eval.trajectory_html import trajectory_html
 
 FAMILY_ORDER = ("count", "bars", "find")
 DIFFICULTY_ORDER = ("easy", "hard")
 RATES = ("accuracy", "exec_success", "tool_rate")
+COUNTS = ("n", "n_items", "samples_per_item")
 METRICS = ("accuracy", "avg_turns", "exec_success", "tool_calls", "tool_rate", "n")
 EVAL_COLUMNS = [
     ("accuracy", "accuracy"),
@@ -55,6 +62,19 @@ EVAL_COLUMNS = [
     ("tool_rate", "tool-call rate"),
     ("tool_calls", "tool calls / traj"),
     ("n", "n"),
+    ("n_items", "items"),
+    ("samples_per_item", "samples / item"),
+]
+BREAKDOWN_RATES = [("accuracy", "Accuracy"), ("tool_rate", "Tool-call rate"), ("exec_success", "Execution success")]
+# The differences table: (summary key, label); a rate of the after-evaluation minus the before one.
+DIFF_KEYS = [
+    ("accuracy", "accuracy"),
+    ("difficulty=easy/accuracy", "accuracy, easy"),
+    ("difficulty=hard/accuracy", "accuracy, hard"),
+    ("tool_rate", "tool-call rate"),
+    ("difficulty=easy/tool_rate", "tool-call rate, easy"),
+    ("difficulty=hard/tool_rate", "tool-call rate, hard"),
+    ("exec_success", "exec success"),
 ]
 
 # (file stem, title, y label, metrics source, [(key, legend label)], y is a rate)
@@ -62,7 +82,8 @@ PLOTS = [
     ("sft_loss", "SFT loss", "loss", "sft", [("loss", "train"), ("eval/loss", "eval")], False),
     ("grpo_reward", "GRPO mean reward", "reward (R_BAT total)", "grpo", [("reward/total", "reward/total")], False),
     ("grpo_accuracy", "GRPO accuracy", "accuracy", "grpo",
-     [("accuracy", "rollouts"), ("eval/accuracy", "held-out eval")], True),
+     [("accuracy", "rollouts"), ("difficulty=easy/accuracy", "rollouts, easy"),
+      ("difficulty=hard/accuracy", "rollouts, hard"), ("eval/accuracy", "held-out eval")], True),
     ("grpo_turns", "GRPO average turns", "turns / trajectory", "grpo",
      [("avg_turns", "rollouts"), ("eval/avg_turns", "held-out eval")], False),
     ("grpo_exec_success", "GRPO execution success", "successful executions / executions", "grpo",
@@ -71,6 +92,15 @@ PLOTS = [
     ("grpo_tool_rate", "GRPO tool-call rate by difficulty", "share of trajectories with a tool call", "grpo",
      [("difficulty=easy/tool_rate", "easy"), ("difficulty=hard/tool_rate", "hard")], True),
 ]
+
+INTERVALS_NOTE = ("Wilson score intervals; a sampled evaluation's k draws of one item, and one trajectory's "
+                  "executions, count as one cluster (effective sample size by Kish's design effect).")
+DIFF_NOTE = ("After minus before, in percentage points, with Newcombe's hybrid score interval (conservative on "
+             "the same items); * marks a difference whose interval excludes 0.")
+
+TOOL_NOTE = ("Read from each executed cell's AST (eval.tool_analytics): trajectories with at least one executed "
+             "cell, cells, distinct calls per cell, the share of cells showing each behaviour, the share using a "
+             "call never seen in the SFT data, and the commonest set of libraries per trajectory.")
 
 EXTRA_CSS = """
 table.summary th{background:#eee}td.num{text-align:right}.met{color:#2a2;font-weight:bold}.notmet{color:#c33;font-weight:bold}
@@ -101,9 +131,37 @@ def fmt_metric(metric: str, v) -> str:
         return "n/a"
     if metric in RATES:
         return f"{100 * f:.1f}%"
-    if metric == "n":
+    if metric in COUNTS:
         return str(int(f))
     return f"{f:.2f}"
+
+
+def _ci(v) -> tuple[float, float] | None:
+    """A finite [lo, hi] pair, or None."""
+    if not isinstance(v, list | tuple) or len(v) != 2:
+        return None
+    lo, hi = _num(v[0]), _num(v[1])
+    return None if lo is None or hi is None else (lo, hi)
+
+
+def fmt_ci(metric: str, v, ci) -> str:
+    """A rate with its 95% interval, `91.7% [85.3, 95.5]` (the bare value without an interval)."""
+    text = fmt_metric(metric, v)
+    c = _ci(ci)
+    if metric not in RATES or c is None or _num(v) is None:
+        return text
+    return f"{text} [{100 * c[0]:.1f}, {100 * c[1]:.1f}]"
+
+
+def _fmt_diff(d, ci) -> str:
+    """A difference in percentage points with its interval; `*` when the interval excludes 0."""
+    d, c = _num(d), _ci(ci)
+    if d is None:
+        return "n/a"
+    if c is None:
+        return f"{100 * d:+.1f} pts"
+    star = " *" if c[0] > 0 or c[1] < 0 else ""
+    return f"{100 * d:+.1f} pts [{100 * c[0]:+.1f}, {100 * c[1]:+.1f}]{star}"
 
 
 def _clean(obj):
@@ -149,31 +207,74 @@ def _groups(evals: Mapping[str, Mapping]) -> tuple[list[str], list[str]]:
 
 
 def eval_table(evals: Mapping[str, Mapping]) -> tuple[list[str], list[list[str]]]:
-    header = ["eval"] + [label for _, label in EVAL_COLUMNS]
-    rows = [[name] + [fmt_metric(k, s.get(k)) for k, _ in EVAL_COLUMNS] for name, s in evals.items()]
+    cols = [(k, label) for k, label in EVAL_COLUMNS
+            if k not in ("n_items", "samples_per_item") or any(k in s for s in evals.values())]
+    header = ["eval"] + [label for _, label in cols]
+    rows = [[name] + [fmt_ci(k, s.get(k), s.get(f"{k}_ci95")) for k, _ in cols] for name, s in evals.items()]
     return header, rows
 
 
-def breakdown_table(evals: Mapping[str, Mapping]) -> tuple[list[str], list[list[str]]]:
-    """Rows: family x difficulty (then each difficulty over all families); per eval: n, accuracy, tool-call rate."""
+def _prefixes(evals: Mapping[str, Mapping]) -> list[tuple[str, str, str]]:
+    """(family, difficulty, summary key prefix) of every breakdown row: family x difficulty, then
+    each difficulty over all families."""
     fams, diffs = _groups(evals)
-    header = ["family", "difficulty"]
-    for name in evals:
-        header += [f"{name} n", f"{name} accuracy", f"{name} tool-call rate"]
     prefixes = []
     if fams and diffs:
         prefixes += [(f, d, f"family={f},difficulty={d}") for f in fams for d in diffs]
     elif fams:
         prefixes += [(f, "all", f"family={f}") for f in fams]
     prefixes += [("all", d, f"difficulty={d}") for d in diffs]
+    return [(f, d, p) for f, d, p in prefixes if any(f"{p}/n" in s or f"{p}/accuracy" in s for s in evals.values())]
+
+
+def rate_breakdown_table(evals: Mapping[str, Mapping], metric: str) -> tuple[list[str], list[list[str]]]:
+    """One rate per family x difficulty (rows) and evaluation (columns), with its 95% interval;
+    the last row is the rate over all items. Accuracy and tool-call rate cells end with the
+    number of items (`items x samples` for a sampled evaluation); execution success counts
+    executions, whose number varies, so its cells do not."""
+    header = ["family", "difficulty"] + list(evals)
     rows = []
-    for fam, diff, p in prefixes:
-        if not any(f"{p}/n" in s or f"{p}/accuracy" in s for s in evals.values()):
-            continue
+    for fam, diff, p in _prefixes(evals) + [("all", "all", "")]:
+        key = f"{p}/{metric}" if p else metric
         row = [fam, diff]
         for s in evals.values():
-            row += [fmt_metric(m, s.get(f"{p}/{m}")) for m in ("n", "accuracy", "tool_rate")]
+            cell = fmt_ci(metric, s.get(key), s.get(f"{key}_ci95"))
+            n = _num(s.get(f"{p}/n" if p else "n"))
+            items, k = _num(s.get(f"{p}/n_items" if p else "n_items")), _num(s.get("samples_per_item"))
+            if metric != "exec_success" and n is not None:
+                cell += f" ({int(items)} x {int(k)})" if items is not None and k and k > 1 else f" ({int(n)})"
+            row.append(cell)
         rows.append(row)
+    return header, rows
+
+
+def differences(evals: Mapping[str, Mapping], before: str, after: str) -> dict:
+    """{label: {key, before, after, diff, ci95}} of `after` minus `before` for the DIFF_KEYS rates
+    (Newcombe's interval from the two Wilson intervals; None where either lacks one)."""
+    b, a = evals.get(before), evals.get(after)
+    if b is None or a is None:
+        return {}
+    out = {}
+    for key, label in DIFF_KEYS:
+        vb, va = _num(b.get(key)), _num(a.get(key))
+        cb, ca = _ci(b.get(f"{key}_ci95")), _ci(a.get(f"{key}_ci95"))
+        d = None if vb is None or va is None else va - vb
+        ci = list(difference(vb, cb, va, ca)) if d is not None and cb and ca else None
+        out[label] = {"key": key, "before": vb, "after": va, "diff": d, "ci95": ci,
+                      "excludes_0": None if ci is None else bool(ci[0] > 0 or ci[1] < 0)}
+    return out
+
+
+def comparison_pairs(evals: Mapping[str, Mapping], before: str, after: str) -> list[tuple[str, str]]:
+    """(before, after) pairs present: greedy, then sampled."""
+    pairs = [(before, after), (f"{before}_sampled", f"{after}_sampled")]
+    return [(b, a) for b, a in pairs if b in evals and a in evals]
+
+
+def differences_table(diffs: Mapping[str, Mapping]) -> tuple[list[str], list[list[str]]]:
+    header = ["rate"] + list(diffs)
+    labels = [label for _, label in DIFF_KEYS]
+    rows = [[label] + [_fmt_diff(d[label]["diff"], d[label]["ci95"]) for d in diffs.values()] for label in labels]
     return header, rows
 
 
@@ -250,6 +351,55 @@ def adaptive_checks(evals: Mapping[str, Mapping], before: str = "sft", after: st
                    f"{fmt_metric('tool_rate', hard_a)} (needs >= {fmt_metric('tool_rate', hard_tool_rate_min)})"),
     })
     return checks
+
+
+def effect_checks(evals: Mapping[str, Mapping], diffs: Mapping[str, Mapping], spec: Mapping | None,
+                  before: str = "sft", after: str = "grpo") -> list[dict]:
+    """Issue 18's targets for GRPO against SFT (`spec`: `accuracy_gain` (sampled, and its interval
+    above 0), `easy_tool_rate_ratio` (easy-item tool rate after <= ratio x before, greedy and
+    sampled), `hard_tool_rate_min` (hard items' tool rate after, both)); greedy accuracy and hard
+    accuracy must not fall. `met` is None where an evaluation or a value is missing."""
+    if not spec:
+        return []
+    bs, as_ = f"{before}_sampled", f"{after}_sampled"
+    sampled = diffs.get(f"{as_} - {bs}", {})
+    greedy = diffs.get(f"{after} - {before}", {})
+    out = []
+
+    def add(name, met, detail):
+        out.append({"name": name, "met": met, "detail": detail})
+
+    gain = float(spec.get("accuracy_gain", 0.05))
+    d = sampled.get("accuracy") or {}
+    ok = None if d.get("diff") is None or d.get("ci95") is None else bool(d["diff"] >= gain and d["ci95"][0] > 0)
+    add(f"sampled accuracy {as_} >= {bs} + {100 * gain:.0f} pts, interval above 0", ok,
+        f"{_fmt_diff(d.get('diff'), d.get('ci95'))}")
+    for pair, label in ((greedy, "greedy"), (sampled, "sampled")):
+        for key in ("accuracy", "accuracy, hard"):
+            d = pair.get(key) or {}
+            ok = None if d.get("diff") is None else bool(d["diff"] >= 0)
+            add(f"{label} {key} does not fall", ok, _fmt_diff(d.get("diff"), d.get("ci95")))
+    ratio = float(spec.get("easy_tool_rate_ratio", 0.5))
+    hard_min = float(spec.get("hard_tool_rate_min", 0.9))
+    for b, a, label in ((before, after, "greedy"), (bs, as_, "sampled")):
+        eb, ea = evals.get(b), evals.get(a)
+        vb = _num(lookup(eb, "easy_tool_rate")) if eb else None
+        va = _num(lookup(ea, "easy_tool_rate")) if ea else None
+        # A cold start that calls no tool on easy items leaves nothing to halve: not evaluated.
+        ok = None if vb is None or va is None or vb == 0 else bool(va <= ratio * vb)
+        add(f"{label} easy-item tool-call rate {a} <= {ratio:g} x {b}", ok,
+            f"{fmt_metric('tool_rate', vb)} -> {fmt_metric('tool_rate', va)}"
+            + (f" ({b} calls no tool on easy items)" if vb == 0 else ""))
+        vh = _num(lookup(ea, "hard_tool_rate")) if ea else None
+        add(f"{label} hard-item tool-call rate {a} >= {fmt_metric('tool_rate', hard_min)}",
+            None if vh is None else bool(vh >= hard_min), fmt_metric("tool_rate", vh))
+    return out
+
+
+def _check_html(c: Mapping) -> str:
+    cls = {True: "met", False: "notmet"}.get(c["met"], "")
+    return (f'<li>{html.escape(c["name"])}: <span class="{cls}">{html.escape(_verdict(c["met"]))}</span> '
+            f"({html.escape(c['detail'])})</li>")
 
 
 def _verdict(met) -> str:
@@ -434,6 +584,141 @@ def _example_html(rec: Mapping, traj_dir: str, out_dir: str, copy_to: str | None
 # ---------------------------------------------------------------- the report
 
 
+def tool_use_section(eval_trajectories: Mapping[str, str], sft_data: Sequence[str] | str | None,
+                     grpo_trajectories: str | None, plot_dir: str) -> dict:
+    """The tool-use analytics (`eval.tool_analytics`) of each evaluation's trajectories, per family,
+    against the calls of the SFT data; the per-step curves of the GRPO rollouts (drawn as
+    `plots/grpo_tool_use.png`). Returns {"evals": {name: analyze(...)}, "curves": rows, "plot": path
+    or None, "sft_calls": n or None}."""
+    paths = [sft_data] if isinstance(sft_data, str) else list(sft_data or [])
+    paths = [p for p in paths if os.path.isfile(p)]
+    seen = tool_analytics.sft_calls(paths) if paths else None
+    out = {"evals": {}, "curves": [], "plot": None, "sft_calls": None if seen is None else len(seen)}
+    for name, path in eval_trajectories.items():
+        if path and os.path.isfile(path):
+            out["evals"][name] = tool_analytics.analyze(tool_analytics.read_records(path), ("family",), seen)
+    if grpo_trajectories and os.path.isfile(grpo_trajectories):
+        rows = tool_analytics.step_curves(tool_analytics.read_records(grpo_trajectories), seen)
+        out["curves"] = rows
+        keys = [(f"behaviour/{label}", label) for label, _ in tool_analytics.BEHAVIOURS]
+        keys.append(("novel_cell_rate", "a call not in the SFT data"))
+        data = [(label, *series(rows, k)) for k, label in keys]
+        data = [d for d in data if d[1] and any(y > 0 for y in d[2])]
+        if data:
+            fig = Figure(figsize=(6, 3.6), dpi=100)
+            FigureCanvasAgg(fig)
+            ax = fig.add_subplot()
+            for label, xs, ys in data:
+                ax.plot(xs, ys, label=label, marker="o" if len(xs) <= 30 else None, markersize=4)
+            ax.set_title("GRPO rollouts: what the executed cells do")
+            ax.set_xlabel("step")
+            ax.set_ylabel("share of executed cells")
+            ax.set_ylim(-0.03, 1.03)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize="small")
+            fig.tight_layout()
+            os.makedirs(plot_dir, exist_ok=True)
+            out["plot"] = os.path.join(plot_dir, "grpo_tool_use.png")
+            fig.savefig(out["plot"], format="png")
+    return out
+
+
+STEP_RATES = (("accuracy", "accuracy"), ("tool_rate", "tool-call rate"))
+
+
+def _prompt_meta(rec: Mapping, metas: Mapping[str, Mapping] | None) -> dict:
+    """A GRPO record's prompt metadata: GRPO names a prompt `{id}@{epoch}`, the prompts file `{id}`."""
+    pid = str(rec.get("prompt_id"))
+    for key in (pid, pid.rpartition("@")[0]):
+        if metas and key in metas:
+            return dict(metas[key])
+    return dict(rec.get("meta") or {})
+
+
+def step_rates(records: Sequence[Mapping], metas: Mapping[str, Mapping] | None = None) -> list[dict]:
+    """Per GRPO step (from the records' sampling policy): accuracy and tool-call rate of its rollouts,
+    overall and per difficulty, each with its 95% interval (the group of one prompt is a cluster).
+    `metas`: prompt id -> metadata ({"difficulty": ...}; the records' own `meta` otherwise)."""
+    by_step: dict[int, list] = {}
+    for r in records:
+        s = tool_analytics.record_step(r)
+        if s is not None:
+            by_step.setdefault(s, []).append(r)
+    rows = []
+    for s in sorted(by_step):
+        recs = by_step[s]
+        ms = [_prompt_meta(r, metas) for r in recs]
+        row = {"step": s, "n": len(recs), **rate_intervals(recs, ms, ("difficulty",))}
+        for prefix in [""] + sorted({f"difficulty={m.get('difficulty')}/" for m in ms}):
+            idx = [i for i, m in enumerate(ms) if not prefix or f"difficulty={m.get('difficulty')}/" == prefix]
+            sub = [recs[i] for i in idx]
+            row[f"{prefix}accuracy"] = sum(bool(r.get("correct")) for r in sub) / len(sub)
+            row[f"{prefix}tool_rate"] = sum(any(st in tool_analytics.EXECUTED for st in r.get("turn_status") or [])
+                                            for r in sub) / len(sub)
+        rows.append(row)
+    return rows
+
+
+def plot_step_rates(rows: Sequence[Mapping], path: str) -> str | None:
+    """Accuracy and tool-call rate per GRPO step, easy and hard, with 95% bands; None without data."""
+    if not rows:
+        return None
+    fig = Figure(figsize=(9, 3.6), dpi=100)
+    FigureCanvasAgg(fig)
+    drawn = False
+    for k, (metric, title) in enumerate(STEP_RATES):
+        ax = fig.add_subplot(1, len(STEP_RATES), k + 1)
+        for prefix, label in (("difficulty=easy/", "easy"), ("difficulty=hard/", "hard"), ("", "all")):
+            pts = [(r["step"], r[f"{prefix}{metric}"], _ci(r.get(f"{prefix}{metric}_ci95"))) for r in rows
+                   if _num(r.get(f"{prefix}{metric}")) is not None and _ci(r.get(f"{prefix}{metric}_ci95"))]
+            if not pts:
+                continue
+            xs, ys, cis = zip(*pts, strict=True)
+            line = ax.plot(xs, ys, label=label, marker="o" if len(xs) <= 30 else None, markersize=4,
+                           linestyle="--" if not prefix else "-")[0]
+            ax.fill_between(xs, [c[0] for c in cis], [c[1] for c in cis], color=line.get_color(), alpha=0.15)
+            drawn = True
+        ax.set_title(f"GRPO rollouts: {title}")
+        ax.set_xlabel("step")
+        ax.set_ylim(-0.03, 1.03)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    if not drawn:
+        return None
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, format="png")
+    return path
+
+
+def _pct(v) -> str:
+    f = _num(v)
+    return "n/a" if f is None else f"{100 * f:.0f}%"
+
+
+def tool_use_table(analytics: Mapping[str, Mapping]) -> tuple[list[str], list[list[str]]]:
+    """Rows: evaluation x family (all first); columns: trajectories with code, cells, calls per
+    cell, the share of cells showing each behaviour, the share using a call not in the SFT data,
+    the commonest library composition per trajectory."""
+    labels = [label for label, _ in tool_analytics.BEHAVIOURS]
+    header = ["eval", "family", "with code", "cells", "calls / cell"] + labels + ["not in SFT", "top composition"]
+    rows = []
+    for name, groups in analytics.items():
+        order = ["all"] + [f"family={f}" for f in FAMILY_ORDER] + sorted(
+            g for g in groups if g != "all" and g.removeprefix("family=") not in FAMILY_ORDER)
+        for g in order:
+            st = groups.get(g)
+            if not st:
+                continue
+            beh = st.get("behaviour_cell_rate") or {}
+            comp = st.get("compositions") or []
+            rows.append([name, g.removeprefix("family="), f"{st['with_code']} / {st['trajectories']}", st["cells"],
+                         fmt_metric("calls", st.get("calls_per_cell"))] + [_pct(beh.get(lb)) for lb in labels]
+                        + [_pct(st.get("novel_cell_rate")),
+                           f"{comp[0][0]} ({_pct(comp[0][1])})" if comp else "n/a"])
+    return header, rows
+
+
 def write_report(
     out_dir: str,
     *,
@@ -441,6 +726,10 @@ def write_report(
     eval_trajectories: Mapping[str, str] | None,
     sft_metrics: Sequence[Mapping] | None,
     grpo_metrics: Sequence[Mapping] | None,
+    sft_data: Sequence[str] | str | None = None,
+    grpo_trajectories: str | None = None,
+    prompt_metas: str | None = None,
+    effect_targets: Mapping | None = None,
     world: Mapping | None = None,
     timings: Mapping[str, float] | None = None,
     targets: Mapping | None = None,
@@ -452,7 +741,11 @@ def write_report(
     copy_images: bool = False,
 ) -> dict[str, str]:
     """Write report.md, summary.json, report.html and plots/*.png to `out_dir`; returns
-    {path relative to out_dir: absolute path} of every file written."""
+    {path relative to out_dir: absolute path} of every file written. `sft_data`: the SFT JSONL
+    (the calls the analytics call "seen"); `grpo_trajectories`: GRPO's rollout records (the
+    analytics' per-step curves, and each step's accuracy and tool-call rate with 95% intervals);
+    `prompt_metas`: the RL prompts' JSONL (`id`, `difficulty`: the per-difficulty step rates);
+    `effect_targets`: `effect_checks`' spec (GRPO against SFT, issue 18)."""
     out_dir = os.path.abspath(os.fspath(out_dir))
     os.makedirs(out_dir, exist_ok=True)
     evals = {str(k): dict(v or {}) for k, v in (evals or {}).items()}
@@ -462,10 +755,31 @@ def write_report(
     plots, no_data = write_plots(os.path.join(out_dir, "plots"), sft_metrics, grpo_metrics)
     for p in plots.values():
         written[os.path.relpath(p, out_dir)] = p
+    tools = tool_use_section(eval_trajectories, sft_data, grpo_trajectories, os.path.join(out_dir, "plots"))
+    if tools["plot"]:
+        written[os.path.relpath(tools["plot"], out_dir)] = tools["plot"]
+    t_tools = tool_use_table(tools["evals"])
+    steps = []
+    if grpo_trajectories and os.path.isfile(grpo_trajectories):
+        metas = None
+        if prompt_metas and os.path.isfile(prompt_metas):
+            metas = {str(r.get("id")): r for r in tool_analytics.read_records(prompt_metas)}
+        steps = step_rates(tool_analytics.read_records(grpo_trajectories), metas)
+    step_plot = plot_step_rates(steps, os.path.join(out_dir, "plots", "grpo_step_rates.png"))
+    if step_plot:
+        written[os.path.relpath(step_plot, out_dir)] = step_plot
+    novel = {n: g["all"].get("novel_calls") or [] for n, g in tools["evals"].items()}
     target_res = check_targets(evals, targets)
+    pairs = comparison_pairs(evals, before, after)
     checks = adaptive_checks(evals, before, after, hard_tool_rate_min)
+    for b, a in pairs[1:]:  # the sampled pair: the policy the reward acts on
+        checks += adaptive_checks(evals, b, a, hard_tool_rate_min)
+    diffs = {f"{a} - {b}": differences(evals, b, a) for b, a in pairs}
+    effects = effect_checks(evals, diffs, effect_targets, before, after)
     t_eval = eval_table(evals)
-    t_break = breakdown_table(evals)
+    t_rates = [(title, rate_breakdown_table(evals, m)) for m, title in BREAKDOWN_RATES]
+    has_breakdown = bool(_prefixes(evals))
+    t_diff = differences_table(diffs)
     t_targets = targets_table(target_res, targets)
     timings = {str(k): v for k, v in (timings or {}).items()}
     t_time = (["phase", "seconds", "minutes"],
@@ -485,6 +799,11 @@ def write_report(
         "targets": {"given": targets or {}, "results": target_res,
                     "all_met": {n: all(r["met"] for r in res.values()) for n, res in target_res.items()}},
         "adaptive_checks": checks,
+        "differences": diffs,
+        "effect_checks": effects,
+        "intervals": INTERVALS_NOTE,
+        "tool_use": {"evals": tools["evals"], "grpo_curves": tools["curves"], "sft_calls": tools["sft_calls"]},
+        "grpo_step_rates": steps,
         "timings": timings,
         "world": world,
         "plots": sorted(os.path.relpath(p, out_dir) for p in plots.values()),
@@ -501,8 +820,15 @@ def write_report(
     md = [f"# {title}", "", "## Evaluations", ""]
     md += [_md_table(*t_eval) if evals else "No evaluations.", ""]
     md += ["Rates are shares of trajectories (execution success: successful executions / executions; "
-           "n/a when no code ran).", ""]
-    md += ["## By family and difficulty", "", _md_table(*t_break) if t_break[1] else "No breakdown.", ""]
+           "n/a when no code ran), with their 95% interval in brackets: " + INTERVALS_NOTE, ""]
+    if diffs:
+        md += ["## Changes", "", DIFF_NOTE, "", _md_table(*t_diff), ""]
+    md += ["## By family and difficulty", ""]
+    if has_breakdown:
+        for title_, t in t_rates:
+            md += [f"### {title_}", "", _md_table(*t), ""]
+    else:
+        md += ["No breakdown.", ""]
     md += ["## Targets", ""]
     if targets:
         md += [_md_table(*t_targets), ""]
@@ -513,7 +839,23 @@ def write_report(
         md += ["No targets given.", ""]
     md += ["### Adaptive tool use", ""]
     md += [f"- {c['name']}: **{_verdict(c['met'])}** ({c['detail']})" for c in checks] + [""]
+    if effects:
+        md += ["### GRPO against SFT (issue 18)", ""]
+        md += [f"- {c['name']}: **{_verdict(c['met'])}** ({c['detail']})" for c in effects] + [""]
+    md += ["## Tool use (from the executed cells)", ""]
+    if t_tools[1]:
+        md += [TOOL_NOTE, "", _md_table(*t_tools), ""]
+        md += [f"- {n}: calls not in the SFT data: " + (", ".join(f"`{c}` ({k})" for c, k in v) or "none")
+               for n, v in novel.items()] if tools["sft_calls"] is not None else []
+        md.append("")
+    else:
+        md += ["No trajectories with executed cells.", ""]
+    if tools["plot"]:
+        md += ["![grpo_tool_use](plots/grpo_tool_use.png)", ""]
     md += ["## Training curves", ""]
+    if step_plot:
+        md += ["GRPO's rollouts per step (the sampling policy the reward acts on), with 95% intervals "
+               "(clustered by prompt):", "", "![grpo_step_rates](plots/grpo_step_rates.png)", ""]
     md += [f"![{stem}](plots/{stem}.png)" for stem in plots]
     md += [f"- {t}: no data" for t in no_data] + [""]
     md += ["## Timings", "", _md_table(*t_time) if timings else "No timings.", ""]
@@ -534,15 +876,37 @@ def write_report(
     h = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
          f"<style>{EVAL_CSS}{EXTRA_CSS}</style></head><body><h1>{html.escape(title)}</h1>"]
     h += ["<h2>Evaluations</h2>", _html_table(*t_eval) if evals else "<p>No evaluations.</p>"]
-    h += ["<h2>By family and difficulty</h2>", _html_table(*t_break) if t_break[1] else "<p>No breakdown.</p>"]
+    h.append(f"<p class='meta'>{html.escape(INTERVALS_NOTE)}</p>")
+    if diffs:
+        h += ["<h2>Changes</h2>", f"<p class='meta'>{html.escape(DIFF_NOTE)}</p>", _html_table(*t_diff)]
+    h.append("<h2>By family and difficulty</h2>")
+    if has_breakdown:
+        for title_, t in t_rates:
+            h += [f"<h3>{html.escape(title_)}</h3>", _html_table(*t)]
+    else:
+        h.append("<p>No breakdown.</p>")
     h.append("<h2>Targets</h2>")
     h.append(_html_table(*t_targets) if targets else "<p>No targets given.</p>")
     h.append("<h3>Adaptive tool use</h3><ul>")
-    for c in checks:
-        cls = {True: "met", False: "notmet"}.get(c["met"], "")
-        h.append(f'<li>{html.escape(c["name"])}: <span class="{cls}">{html.escape(_verdict(c["met"]))}</span> '
-                 f"({html.escape(c['detail'])})</li>")
-    h.append("</ul><h2>Training curves</h2><div class='plots'>")
+    h += [_check_html(c) for c in checks]
+    if effects:
+        h.append("</ul><h3>GRPO against SFT (issue 18)</h3><ul>")
+        h += [_check_html(c) for c in effects]
+    h.append("</ul><h2>Tool use (from the executed cells)</h2>")
+    if t_tools[1]:
+        h += [f"<p class='meta'>{html.escape(TOOL_NOTE)}</p>", _html_table(*t_tools)]
+        if tools["sft_calls"] is not None:
+            h.append("<ul>" + "".join(
+                f"<li>{html.escape(n)}: calls not in the SFT data: "
+                + html.escape(", ".join(f"{c} ({k})" for c, k in v) or "none") + "</li>" for n, v in novel.items())
+                + "</ul>")
+    else:
+        h.append("<p>No trajectories with executed cells.</p>")
+    if tools["plot"]:
+        h.append('<div class="plots"><img src="plots/grpo_tool_use.png" alt="grpo_tool_use"></div>')
+    h.append("<h2>Training curves</h2><div class='plots'>")
+    if step_plot:
+        h.append('<img src="plots/grpo_step_rates.png" alt="grpo_step_rates">')
     h += [f'<img src="plots/{html.escape(stem)}.png" alt="{html.escape(stem)}">' for stem in plots]
     h.append("</div>")
     if no_data:

@@ -16,6 +16,12 @@ differ from the hard ones ("I will check with code."). This gives RL with the R_
 something to remove: the SFT policy calls tools on some easy items, and RL should lower that rate
 while keeping it high on hard items.
 
+With probability `hard_direct_rate` (default 0: every hard item is solved with code) a hard item
+is answered directly, "by sight", with the right answer and no code: the SFT policy then answers
+some hard items without looking closer, mostly wrongly, which leaves RL accuracy to gain (R_BAT
+rewards a successful tool call where the group's accuracy is low). The draw comes after the bug's,
+the item rng's last, so a rate of 0 leaves every other record as it was.
+
 The templates are short and fixed so that a ~1M-parameter model can learn them in a few hundred
 steps: one shared 4-line head, no RGB literals (colours are named, `ImageColor.getrgb('red')`, which
 is exact because `tasks.PALETTE` holds PIL's values for those names), hardly any digits (digits are
@@ -128,6 +134,9 @@ THINK = {
     ("count", "easy_code"): "I will count the shapes with code.",
     ("bars", "easy_code"): "I will check with code.",
     ("find", "easy_code"): "I will look at the box with code.",
+    ("count", "sight"): "I count the {color} {kind}s by eye: {answer}.",
+    ("bars", "sight"): "I read the tallest bar from the image: {answer}.",
+    ("find", "sight"): "I can see the shape inside the box: it is {answer}.",
     "retry": "The code failed with {error}. I will fix it and run it again.",
     ("count", "final"): "The code counted {answer} {color} {kind}s.",
     ("bars", "final"): "The tallest bar is {color}, {height} pixels tall.",
@@ -225,12 +234,14 @@ def expert_trajectory(
     *,
     error_rate: float = 0.15,
     easy_code_rate: float = 0.3,
+    hard_direct_rate: float = 0.0,
 ) -> dict[str, Any]:
     """One SFT record for `item` (the trajectory JSONL format of `data.trajectory`).
 
     `session_factory(files)` opens a sandbox session (e.g. `pool.new_session`); it is called for
-    hard items and for the easy items that draw code (`rng.random() < easy_code_rate`; only easy
-    items draw it, hard items draw the bug with `error_rate`). Returned keys: `id`, `images`
+    the hard items that do not draw a direct answer (`rng.random() < hard_direct_rate`, drawn after
+    the bug with `error_rate`) and for the easy items that draw code (`rng.random() <
+    easy_code_rate`; only easy items draw it). Returned keys: `id`, `images`
     (relative paths `img/{id}.png`, `img/{id}-obs{k}.png`), `messages`, `meta` (family, difficulty,
     question, answer, `error`: the bug name of a recovered error or None, `cells`: 0 for a direct
     answer) — all JSON-able — plus `image_data` (the PNG bytes of `images`, in order) and `timing`
@@ -249,18 +260,17 @@ def expert_trajectory(
     }
     sandbox_s = 0.0
     easy = item.difficulty == "easy"
-    if easy and not rng.random() < easy_code_rate:
-        messages.append(
-            {
-                "role": "assistant",
-                "content": answer_turn(THINK[item.family, "easy"].format(answer=item.answer), item.answer),
-            }
-        )
+    bug = None
+    if not easy and rng.random() < error_rate:
+        names = sorted(BUGS[item.family])
+        bug = names[int(rng.integers(len(names)))]
+    # Hard items draw the direct answer last (after the bug), so rate 0 changes no other draw.
+    direct = not rng.random() < easy_code_rate if easy else rng.random() < hard_direct_rate
+    if direct:
+        key = (item.family, "easy" if easy else "sight")
+        think = THINK[key].format(answer=item.answer, color=item.meta.get("color"), kind=item.meta.get("kind"))
+        messages.append({"role": "assistant", "content": answer_turn(think, item.answer)})
     else:
-        bug = None
-        if not easy and rng.random() < error_rate:
-            names = sorted(BUGS[item.family])
-            bug = names[int(rng.integers(len(names)))]
         if easy:
             think = THINK[item.family, "easy_code"]
         elif item.family == "count":

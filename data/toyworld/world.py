@@ -15,9 +15,13 @@ in world.json). Everything but the timings in world.json is a function of the ar
 experts of different items run concurrently (threads, sandbox cells in parallel) and are written
 in item order.
 
-`easy_code_rate` is the share of easy SFT items the expert solves with code (see
-`data.toyworld.expert`): the SFT policy over-uses tools a little, so that RL with R_BAT has an
-easy-item tool-call rate to lower. world.json records it and the number of easy items with code.
+The calibration knobs (`configs/demo.py` world fields, all recorded in world.json with what they
+produced): `hard_frac` (share of hard SFT and RL items), `easy_code_rate` (share of easy SFT items
+the expert solves with code, see `data.toyworld.expert`: the SFT policy over-uses tools a little,
+so that RL with R_BAT has an easy-item tool-call rate to lower; `easy_items_with_code`),
+`hard_direct_rate` (share of hard SFT items answered by sight, without code: room for RL to raise
+accuracy; `hard_items_direct`) and `error_rate` (share of hard SFT items whose first cell fails and
+is fixed; `recovered_errors`).
 """
 
 from __future__ import annotations
@@ -127,14 +131,16 @@ def load_prompts(jsonl_path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def run_experts(
-    items: list[Item], pool, seed: int, *, error_rate: float, threads: int, easy_code_rate: float = 0.3
+    items: list[Item], pool, seed: int, *, error_rate: float, threads: int, easy_code_rate: float = 0.3,
+    hard_direct_rate: float = 0.0,
 ) -> list[dict[str, Any]]:
     """Expert records of `items`, in order; the cells (hard items, easy items with code) run
     concurrently in `pool`."""
 
     def one(i: int) -> dict[str, Any]:
         rng = np.random.default_rng([seed, SPLIT_CODES["sft"], i, 7])
-        return expert_trajectory(items[i], pool.new_session, rng, error_rate=error_rate, easy_code_rate=easy_code_rate)
+        return expert_trajectory(items[i], pool.new_session, rng, error_rate=error_rate, easy_code_rate=easy_code_rate,
+                                 hard_direct_rate=hard_direct_rate)
 
     with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as ex:
         return list(ex.map(one, range(len(items))))
@@ -170,6 +176,7 @@ def generate_world(
     workers: int = 2,
     error_rate: float = 0.15,
     easy_code_rate: float = 0.3,
+    hard_direct_rate: float = 0.0,
     vocab_size: int = DEFAULT_VOCAB,
     max_pixels: int = DEFAULT_MAX_PIXELS,
 ) -> dict[str, Any]:
@@ -188,17 +195,14 @@ def generate_world(
     eval_items, redraws = make_split("eval", n_eval, seed, hard_frac, exclude=seen)
 
     t_sb = time.monotonic()
+    knobs = dict(error_rate=error_rate, easy_code_rate=easy_code_rate, hard_direct_rate=hard_direct_rate)
     if pool is None:
         from sandbox import SandboxPool
 
         with SandboxPool(num_workers=workers, **SANDBOX_LIMITS) as own:
-            records = run_experts(
-                sft_items, own, seed, error_rate=error_rate, threads=4 * workers, easy_code_rate=easy_code_rate
-            )
+            records = run_experts(sft_items, own, seed, threads=4 * workers, **knobs)
     else:
-        records = run_experts(
-            sft_items, pool, seed, error_rate=error_rate, threads=4 * workers, easy_code_rate=easy_code_rate
-        )
+        records = run_experts(sft_items, pool, seed, threads=4 * workers, **knobs)
     sandbox_wall = time.monotonic() - t_sb
 
     sft_path = write_sft(os.path.join(out_dir, "sft"), records)
@@ -246,6 +250,9 @@ def generate_world(
         "recovered_errors": dict(sorted(errors.items())),
         "easy_code_rate": easy_code_rate,
         "easy_items_with_code": sum(1 for r in records if r["meta"]["difficulty"] == "easy" and r["meta"]["cells"] > 0),
+        "hard_direct_rate": hard_direct_rate,
+        "hard_items_direct": sum(1 for r in records if r["meta"]["difficulty"] == "hard" and r["meta"]["cells"] == 0),
+        "error_rate": error_rate,
         "sandbox": {
             "cells": sum(r["meta"]["cells"] for r in records),
             "cell_s": round(sum(r["timing"]["sandbox_s"] for r in records), 2),

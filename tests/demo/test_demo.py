@@ -23,6 +23,28 @@ def test_demo_mini_writes_the_report(tmp_path):
         assert ev["n"] == 12
         for k in ("accuracy", "avg_turns", "tool_rate", "tool_calls"):
             assert math.isfinite(ev[k]), (name, k)
+    # Sampled evaluations (eval.samples = 2 draws per item) beside the greedy ones, every rate with its
+    # 95% interval, in summary.json and in the report's tables.
+    assert list(summary["evals"]) == ["sft", "sft_sampled", "grpo", "grpo_sampled"]
+    for name in ("sft_sampled", "grpo_sampled"):
+        ev = summary["evals"][name]
+        assert ev["n"] == 24 and ev["n_items"] == 12 and ev["samples_per_item"] == 2
+    for ev in summary["evals"].values():
+        for k in ("accuracy", "tool_rate", "difficulty=hard/accuracy", "family=find,difficulty=easy/tool_rate"):
+            lo, hi = ev[f"{k}_ci95"]
+            assert 0 <= lo <= ev[k] <= hi <= 1, k
+    md = (report / "report.md").read_text()
+    assert "## Changes" in md and "grpo_sampled - sft_sampled" in md and "## Tool use" in md
+    lo, hi = summary["evals"]["sft_sampled"]["accuracy_ci95"]
+    assert f"[{100 * lo:.1f}, {100 * hi:.1f}]" in md
+    # GRPO's rollouts of every step (trajectories_every = 1 here) give per-step rates by difficulty.
+    assert [r["step"] for r in summary["grpo_step_rates"]] == [1, 2]
+    for r in summary["grpo_step_rates"]:  # 2 prompts a step: easy, hard or both
+        rates = [v for k, v in r.items() if k in ("difficulty=easy/tool_rate", "difficulty=hard/tool_rate")]
+        assert rates and all(0 <= v <= 1 for v in rates) and r["n"] == 8
+    assert (report / "plots" / "grpo_step_rates.png").stat().st_size > 0
+    world = json.loads((tmp_path / "world" / "world.json").read_text())
+    assert world["hard_direct_rate"] == 0.0 and world["error_rate"] == 0.1 and world["easy_code_rate"] == 0.3
     rows = [json.loads(x) for x in open(tmp_path / "grpo" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["reward/total"]) for r in rows)
     sft_rows = [json.loads(x) for x in open(tmp_path / "sft" / "metrics.jsonl")]
@@ -36,7 +58,9 @@ def test_demo_mini_writes_the_report(tmp_path):
     from codedance_jax.demo.pipeline import ablate
 
     results = ablate(demo.get_config("mini"), str(tmp_path), modes=("outcome",))
-    assert list(results) == ["sft", "outcome"]
+    assert list(results) == ["sft", "sft_sampled", "outcome", "outcome_sampled"]
+    assert results["sft_sampled"]["time_s"] == summary["evals"]["sft_sampled"]["time_s"]  # reused, not re-run
     table = (tmp_path / "ablation.md").read_text()
     assert "SFT cold start" in table and "GRPO (R_acc + R_format)" in table
+    assert "GRPO (R_acc + R_format), sampled (k=2)" in table
     assert (tmp_path / "ablate" / "outcome" / "policy" / "codedance.json").exists()

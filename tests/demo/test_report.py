@@ -231,3 +231,167 @@ def test_lookup():
     assert lookup(s, "family=count,difficulty=hard/accuracy") == 0.125
     assert lookup(s, "easy_accuracy") is None and lookup(s, "bogus") is None
     assert fmt_metric("n", 60.0) == "60" and fmt_metric("avg_turns", None) == "n/a"
+
+
+def test_intervals_differences_and_sampled_pairs(tmp_path):
+    """Every rate carries its 95% interval in both reports; greedy and sampled pairs get a differences
+    table (Newcombe) and their own adaptive checks."""
+    from eval.intervals import difference, rate_intervals
+
+    rng = np.random.default_rng()
+    evals, paths = {}, {}
+    for name in ("sft", "sft_sampled", "grpo", "grpo_sampled"):
+        trajs = _trajectories(rng, n_per_group=4)
+        metas = [t.meta for t in trajs]
+        s = summarize(trajs, [float(t.correct) for t in trajs], metas, ("family", "difficulty"))
+        evals[name] = {**s, **rate_intervals(trajs, metas, ("family", "difficulty")),
+                       "samples_per_item": 1}
+        paths[name] = save_jsonl(trajs, tmp_path / "work" / name)
+    out = tmp_path / "report"
+    write_report(str(out), evals=evals, eval_trajectories=paths, sft_metrics=[], grpo_metrics=[])
+
+    def ci_text(v, ci):  # a group without executions has no execution success (n/a, no interval)
+        return "n/a" if np.isnan(v) else f"{fmt_metric('accuracy', v)} [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
+
+    md = (out / "report.md").read_text()
+    page = (out / "report.html").read_text()
+    for name, s in evals.items():
+        row = next(line for line in md.splitlines() if line.startswith(f"| {name} |"))
+        for m in ("accuracy", "tool_rate", "exec_success"):
+            assert ci_text(s[m], s[f"{m}_ci95"]) in row, (name, m)
+            assert html.escape(ci_text(s[m], s[f"{m}_ci95"])) in page
+        key = "family=find,difficulty=hard/tool_rate"
+        assert html.escape(ci_text(s[key], s[f"{key}_ci95"])) in page
+    section = md.split("### Execution success")[1]
+    row = next(line for line in section.splitlines() if line.startswith("| bars | easy |"))
+    for s in evals.values():
+        key = "family=bars,difficulty=easy/exec_success"
+        assert ci_text(s[key], s[f"{key}_ci95"]) in row
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["differences"]) == ["grpo - sft", "grpo_sampled - sft_sampled"]
+    d = summary["differences"]["grpo_sampled - sft_sampled"]["tool-call rate, easy"]
+    b, a = evals["sft_sampled"], evals["grpo_sampled"]
+    k = "difficulty=easy/tool_rate"
+    assert d["diff"] == pytest.approx(a[k] - b[k])
+    assert d["ci95"] == pytest.approx(list(difference(b[k], b[f"{k}_ci95"], a[k], a[f"{k}_ci95"])))
+    assert d["excludes_0"] == (d["ci95"][0] > 0 or d["ci95"][1] < 0)
+    assert "## Changes" in md and "grpo_sampled - sft_sampled" in md
+    assert len(summary["adaptive_checks"]) == 4
+    assert "grpo_sampled does not lower accuracy vs sft_sampled" in md
+    assert summary["evals"]["grpo"]["accuracy_ci95"] == pytest.approx(evals["grpo"]["accuracy_ci95"])
+
+
+def test_tool_use_section(demo):
+    """The analytics table per eval x family, the calls not in the SFT data, and the GRPO curve."""
+    tmp_path, evals, paths, sft, grpo = demo
+    sft_data = tmp_path / "sft.jsonl"
+    sft_data.write_text(json.dumps({"messages": [
+        {"role": "assistant", "content": "<code>\n```python\nprint(1)\n```\n</code>"}]}) + "\n")
+    crop = "from PIL import Image\nim = Image.open('image.png')\nim.crop((0, 0, 8, 8)).save('c.png')\n"
+    grpo_recs = tmp_path / "grpo_trajectories.jsonl"
+    with open(grpo_recs, "w") as f:
+        for step in (1, 2, 3):
+            for j in range(2):
+                code = crop if j < step - 1 else "print(2)"
+                f.write(json.dumps({"prompt_id": f"p{j}", "policy": f"/w/grpo/policies/step_{step - 1}", "meta": {},
+                                    "turns": [{"status": "ok", "code": code}]}) + "\n")
+    out = tmp_path / "report"
+    written = write_report(str(out), evals=evals, eval_trajectories=paths, sft_metrics=sft, grpo_metrics=grpo,
+                           sft_data=str(sft_data), grpo_trajectories=str(grpo_recs))
+    assert "plots/grpo_tool_use.png" in written
+    _png_ok(written["plots/grpo_tool_use.png"])
+    md = (out / "report.md").read_text()
+    assert "## Tool use (from the executed cells)" in md
+    for name in evals:
+        assert any(line.startswith(f"| {name} | all |") for line in md.splitlines())
+        assert any(line.startswith(f"| {name} | find |") for line in md.splitlines())
+    s = json.loads((out / "summary.json").read_text())
+    t = s["tool_use"]
+    assert t["sft_calls"] == 1  # print
+    g = t["evals"]["grpo"]["all"]  # the fixture's cells run print(img.size): print is in the SFT data
+    assert g["novel_calls"] == [] and g["novel_cell_rate"] == 0 and g["top_calls"][0][0] == "print"
+    assert [r["behaviour/crop"] for r in t["grpo_curves"]] == [0.0, 0.5, 1.0]
+    assert "grpo_tool_use.png" in (out / "report.html").read_text()
+
+
+def test_grpo_step_rates_with_intervals(tmp_path):
+    """Per GRPO step: accuracy and tool-call rate of its rollouts, per difficulty (from the RL prompts'
+    metadata), each with the clustered Wilson interval; drawn as plots/grpo_step_rates.png."""
+    from codedance_jax.demo.report import step_rates
+    from eval.intervals import rate_intervals
+
+    rng = np.random.default_rng()
+    metas = tmp_path / "prompts.jsonl"
+    metas.write_text("".join(json.dumps({"id": f"rl-{i}", "difficulty": "easy" if i % 2 else "hard"}) + "\n"
+                             for i in range(6)))
+    recs = []
+    for step in range(3):
+        for i in rng.choice(6, size=3, replace=False):
+            for _ in range(4):  # a group of 4 rollouts per prompt
+                recs.append({"prompt_id": f"rl-{i}@{step // 2}", "policy": f"/w/grpo/policies/step_{step}",
+                             "correct": bool(rng.random() < 0.5),
+                             "turn_status": ["ok", "no_code"] if rng.random() < 0.5 else ["no_code"]})
+    path = tmp_path / "trajectories.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    diff = {f"rl-{i}": {"difficulty": "easy" if i % 2 else "hard"} for i in range(6)}
+    rows = step_rates(recs, diff)
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["n"] == 12 for r in rows)
+    second = [r for r in recs if r["policy"].endswith("step_1")]
+    hard = [r for r in second if diff[r["prompt_id"].split("@")[0]]["difficulty"] == "hard"]
+    if hard:  # GRPO's `{id}@{epoch}` prompt ids find their metadata
+        assert rows[1]["difficulty=hard/accuracy"] == pytest.approx(np.mean([r["correct"] for r in hard]))
+    want = rate_intervals(second, [diff[r["prompt_id"].split("@")[0]] for r in second], ("difficulty",))
+    assert rows[1]["difficulty=hard/accuracy_ci95"] == pytest.approx(want["difficulty=hard/accuracy_ci95"])
+    assert rows[1]["accuracy_ci95"] == pytest.approx(want["accuracy_ci95"])
+    assert rows[1]["tool_rate"] == pytest.approx(np.mean([len(r["turn_status"]) > 1 for r in second]))
+    written = write_report(str(tmp_path / "r"), evals={}, eval_trajectories={}, sft_metrics=[], grpo_metrics=[],
+                           grpo_trajectories=str(path), prompt_metas=str(metas))
+    _png_ok(written["plots/grpo_step_rates.png"])
+    s = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert s["grpo_step_rates"][1]["accuracy_ci95"] == pytest.approx(want["accuracy_ci95"])
+    assert "grpo_step_rates.png" in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_effect_checks_grpo_against_sft(tmp_path):
+    """Issue 18's targets read from the evaluations and their differences: met, not met, not evaluated."""
+    from eval.intervals import wilson
+
+    def ev(acc, easy_tool, hard_tool, hard_acc, n=120):
+        s = {}
+        for key, v, m in (("accuracy", acc, n), ("difficulty=easy/tool_rate", easy_tool, n // 2),
+                          ("difficulty=hard/tool_rate", hard_tool, n // 2), ("difficulty=hard/accuracy", hard_acc, n // 2)):
+            s[key], s[f"{key}_ci95"] = v, list(wilson(round(v * m), m))
+        return s
+
+    rng = np.random.default_rng()
+    base = float(rng.uniform(0.4, 0.6))
+    evals = {"sft": ev(base, 0.4, 1.0, 0.8), "sft_sampled": ev(base, 0.5, 0.95, 0.7),
+             "grpo": ev(base - 0.1, 0.1, 0.95, 0.85), "grpo_sampled": ev(base + 0.2, 0.2, 0.92, 0.75)}
+    spec = {"accuracy_gain": 0.05, "easy_tool_rate_ratio": 0.5, "hard_tool_rate_min": 0.9}
+    write_report(str(tmp_path), evals=evals, eval_trajectories={}, sft_metrics=[], grpo_metrics=[],
+                 effect_targets=spec)
+    s = json.loads((tmp_path / "summary.json").read_text())
+    got = {c["name"]: c["met"] for c in s["effect_checks"]}
+    assert got["sampled accuracy grpo_sampled >= sft_sampled + 5 pts, interval above 0"] is True
+    assert got["greedy accuracy does not fall"] is False  # 10 points lower, honestly NOT met
+    assert got["sampled accuracy, hard does not fall"] is True
+    assert got["greedy easy-item tool-call rate grpo <= 0.5 x sft"] is True
+    assert got["sampled easy-item tool-call rate grpo_sampled <= 0.5 x sft_sampled"] is True
+    assert got["sampled hard-item tool-call rate grpo_sampled >= 90.0%"] is True
+    md = (tmp_path / "report.md").read_text()
+    assert "### GRPO against SFT (issue 18)" in md and "greedy accuracy does not fall: **NOT met**" in md
+    # A gain whose interval reaches 0 is not enough; without sampled evaluations: not evaluated.
+    evals["grpo_sampled"] = ev(base + 0.06, 0.2, 0.92, 0.75, n=24)
+    evals["sft_sampled"] = ev(base, 0.5, 0.95, 0.7, n=24)
+    write_report(str(tmp_path), evals=evals, eval_trajectories={}, sft_metrics=[], grpo_metrics=[], effect_targets=spec)
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["effect_checks"][0]["met"] is False
+    evals["sft"] = ev(base, 0.0, 1.0, 0.8)  # SFT calls no tool on easy items: nothing to halve
+    write_report(str(tmp_path), evals=evals, eval_trajectories={}, sft_metrics=[], grpo_metrics=[], effect_targets=spec)
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert {c["name"]: c["met"] for c in s["effect_checks"]}["greedy easy-item tool-call rate grpo <= 0.5 x sft"] is None
+    del evals["grpo_sampled"]
+    write_report(str(tmp_path), evals=evals, eval_trajectories={}, sft_metrics=[], grpo_metrics=[], effect_targets=spec)
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["effect_checks"][0]["met"] is None

@@ -88,6 +88,10 @@ def test_launch_eval_end_to_end_and_resume(tmp_path, tiny_checkpoint):
     assert html.count('class="item ') == 3 and "75.2" in html
     for name in ("predictions.tsv", "summary.md", "config.json", "rollout_stats.jsonl"):
         assert os.path.isfile(os.path.join(wd, name)), name
+    tools = json.load(open(os.path.join(wd, "tool_use.json")))["all"]  # the executed cells' analytics
+    assert tools["trajectories"] == 3 and tools["cells"] == sum(  # a malformed block (code None) never ran
+        sum(u["status"] in ("ok", "error", "timeout", "crashed") and u["code"] is not None for u in t["turns"])
+        for t in trajs)
 
 
 def test_every_benchmark_format_through_the_rollout_engine(tmp_path, tiny_checkpoint):

@@ -163,12 +163,13 @@ class _Opened(Exception):
     pass
 
 
-def _uses_code(item, rng, rate):
+def _uses_code(item, rng, rate, hard_direct_rate=0.0, error_rate=0.0):
     def factory(files):
         raise _Opened
 
     try:
-        expert_trajectory(item, factory, rng, error_rate=0.0, easy_code_rate=rate)
+        expert_trajectory(item, factory, rng, error_rate=error_rate, easy_code_rate=rate,
+                          hard_direct_rate=hard_direct_rate)
     except _Opened:
         return True
     return False
@@ -181,6 +182,35 @@ def test_easy_code_rate_is_honoured():
     assert used == [_uses_code(it, np.random.default_rng([i, 7]), 0.3) for i, it in enumerate(items)]
     assert not any(_uses_code(it, np.random.default_rng([i, 7]), 0.0) for i, it in enumerate(items))
     assert all(_uses_code(it, np.random.default_rng([i, 7]), 1.0) for i, it in enumerate(items))
+
+
+def test_hard_direct_rate_is_honoured():
+    """hard_direct_rate: hard items answered by sight (right answer, no code, no sandbox); easy items
+    untouched; 0 draws no direct answer."""
+    hard = [make_item(FAMILIES[i % 3], "hard", i, f"h{i}") for i in range(60)]
+    rng = np.random.default_rng
+
+    def direct(rate, er=0.3):
+        return [not _uses_code(it, rng([i, 7]), 0.3, rate, er) for i, it in enumerate(hard)]
+
+    got = direct(0.3)
+    assert 8 <= sum(got) <= 28 and got == direct(0.3)  # Binomial(60, 0.3): mean 18, sd 3.5
+    assert not any(direct(0.0)) and all(direct(1.0))
+    easy = [make_item(FAMILIES[i % 3], "easy", i, f"e{i}") for i in range(30)]
+    assert ([_uses_code(it, rng([i, 7]), 0.3, 1.0) for i, it in enumerate(easy)]
+            == [_uses_code(it, rng([i, 7]), 0.3, 0.0) for i, it in enumerate(easy)])
+
+    def no_session(files):
+        raise AssertionError("a direct hard answer must not use the sandbox")
+
+    for i, item in enumerate(hard[:6]):
+        rec = expert_trajectory(item, no_session, rng(i), error_rate=1.0, hard_direct_rate=1.0)
+        assert [m["role"] for m in rec["messages"]] == ["user", "assistant"]
+        assert rec["messages"][1]["content"].endswith(f"<answer>{item.answer}</answer>")
+        assert rec["meta"]["cells"] == 0 and rec["meta"]["error"] is None and len(rec["images"]) == 1
+    count = next(it for it in hard if it.family == "count")
+    text = expert_trajectory(count, no_session, rng(0), hard_direct_rate=1.0)["messages"][1]["content"]
+    assert f"{count.meta['color']} {count.meta['kind']}s by eye" in text
 
 
 def test_expert_rejects_wrong_ground_truth(pool):

@@ -41,6 +41,8 @@ def test_files_and_counts(world):
     assert len(trajs) == 12
     # Some easy SFT items are solved with code (a cold start that over-uses tools); world.json counts them.
     assert info["easy_code_rate"] == 0.5
+    # Every calibration knob is recorded (hard_direct_rate at its default: every hard item uses code).
+    assert info["error_rate"] == 0.3 and info["hard_direct_rate"] == 0.0 and info["hard_items_direct"] == 0
     with open(os.path.join(d, "sft", "sft.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     easy_code = [r for r in rows if r["meta"]["difficulty"] == "easy" and "<code>" in r["messages"][1]["content"]]
