@@ -8,7 +8,7 @@ demo: the demo's SFT run config (`configs/demo.py`: toy model, batch 16, its buc
 world of `world.n_sft` trajectories, the real data pipeline and step. The same batches (same
 seed, same grouping) go through two layouts in one invocation, step by step alternately on two
 copies of the same initial state: each batch padded one example per row to its bucket (the layout
-before issue 14, `data.pack=()`), and packed several to a row (`data.pack`). Per step it times the
+demo's, `data.pack=()`), and packed several to a row (`--pack`, `--pack-row-multiple`). Per step it times the
 data (next batch), the host->device put and the step (block_until_ready), counts compilations,
 and checks that both layouts give the same loss. The 600-step phase is extrapolated as the
 compile time plus 600 x the mean step after the first of each shape.
@@ -160,9 +160,10 @@ def demo_case(args):
     rsft.prepare_files(config, wd)
     proc = Processor.from_pretrained(rsft.processor_path(config, wd))
     variants = {}
-    for name, pack in (("padded", ()), ("packed", tuple(config.data.pack))):
+    pack = tuple(int(x) for x in args.pack.split(","))
+    for name, rows in (("padded", ()), ("packed", pack)):
         vc = config.copy_and_resolve_references()
-        vc.data.pack = pack
+        vc.data.pack, vc.data.pack_row_multiple = rows, args.pack_row_multiple
         it, _ = rsft.make_data(vc, proc, cfg, wd, config.batch_size, rsft.packed_row_multiple(vc, mesh))
         mdef, state, state_sh = st.create_train_state(cfg, tx, mesh, seed=config.seed, rules=rules)
         variants[name] = dict(it=it, state=state, fns={}, rows=[])
@@ -191,7 +192,7 @@ def demo_case(args):
         a, b = variants["padded"]["rows"][-1], variants["packed"]["rows"][-1]
         print(f"step {i:3d}: padded {a['shape']} {a['step_s']:.3f} s | packed {b['shape']} {b['step_s']:.3f} s | "
               f"loss {a['loss']:.4f} / {b['loss']:.4f}", flush=True)
-    out = {"steps": args.steps, "batch": config.batch_size, "pack": list(config.data.pack),
+    out = {"steps": args.steps, "batch": config.batch_size, "pack": list(pack), "pack_row_multiple": args.pack_row_multiple,
            "model_params": int(sum(x.size for x in jax.tree.leaves(variants["padded"]["state"].params)))}
     for name, v in variants.items():
         rows = v["rows"]
@@ -289,6 +290,8 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--configs", default="tiny,small", help="meshes: comma list of: " + ",".join(CONFIGS))
     ap.add_argument("--workdir", default="", help="demo: where the toy world is (generated when missing)")
+    ap.add_argument("--pack", default="448,192,64", help="demo: the packed layout's row (tokens,image_tokens,windows)")
+    ap.add_argument("--pack-row-multiple", type=int, default=4, help="demo: packed rows are a multiple of this")
     ap.add_argument("--tunix-python", default=os.environ.get("TUNIX_PYTHON", "/tmp/tunix-venv/bin/python"))
     ap.add_argument("--out", default=os.path.join(HERE, "results", "sft_step_cpu.json"), help="meshes' JSON")
     ap.add_argument("--out-cases", default=os.path.join(HERE, "results", "sft_step.json"), help="demo/tunix JSON")
