@@ -1,14 +1,15 @@
-"""SFT step time: the demo preset (padded vs packed, side by side), Tunix's PeftTrainer, mesh shapes.
+"""SFT step time: the demo preset (before vs after, side by side), Tunix's PeftTrainer, mesh shapes.
 
-  python benchmarks/sft_step.py --case demo [--steps 60]     # the demo's SFT, old layout vs packed
+  python benchmarks/sft_step.py --case demo [--steps 60]     # the demo's SFT step, before vs after
   python benchmarks/sft_step.py --case tunix [--steps 20]    # 8 x 256 at Tunix's sizes, ours vs PeftTrainer
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/sft_step.py --case meshes [--quick]
 
 demo: the demo's SFT run config (`configs/demo.py`: toy model, batch 16, its buckets) on a toy
 world of `world.n_sft` trajectories, the real data pipeline and step. The same batches (same
-seed, same grouping) go through two layouts in one invocation, step by step alternately on two
-copies of the same initial state: each batch padded one example per row to its bucket (the layout
-demo's, `data.pack=()`), and packed several to a row (`--pack`, `--pack-row-multiple`). Per step it times the
+seed, same grouping) go through the `--variants` in one invocation, step by step alternately on
+copies of the same initial state: `before` (padded to the bucket, log-probs by the rematerialized
+chunk map, as before issue 14's SFT work), `after` (the demo's step now: small logits in one
+piece) and `packed` (`after` with several examples to a row: `--pack`, `--pack-row-multiple`). Per step it times the
 data (next batch), the host->device put and the step (block_until_ready), counts compilations,
 and checks that both layouts give the same loss. The 600-step phase is extrapolated as the
 compile time plus 600 x the mean step after the first of each shape.
@@ -161,14 +162,19 @@ def demo_case(args):
     proc = Processor.from_pretrained(rsft.processor_path(config, wd))
     variants = {}
     pack = tuple(int(x) for x in args.pack.split(","))
-    for name, rows in (("padded", ()), ("packed", pack)):
+    from codedance_jax.train import logprobs
+
+    whole = logprobs.SMALL_LOGITS_BYTES
+    names = args.variants.split(",")
+    for name in names:
         vc = config.copy_and_resolve_references()
-        vc.data.pack, vc.data.pack_row_multiple = rows, args.pack_row_multiple
+        vc.data.pack, vc.data.pack_row_multiple = (pack if name == "packed" else ()), args.pack_row_multiple
         it, _ = rsft.make_data(vc, proc, cfg, wd, config.batch_size, rsft.packed_row_multiple(vc, mesh))
         mdef, state, state_sh = st.create_train_state(cfg, tx, mesh, seed=config.seed, rules=rules)
-        variants[name] = dict(it=it, state=state, fns={}, rows=[])
+        variants[name] = dict(it=it, state=state, fns={}, rows=[], small_logits=0 if name == "before" else whole)
     for i in range(args.steps):
         for v in variants.values():
+            logprobs.SMALL_LOGITS_BYTES = v["small_logits"]  # read when a new shape is traced
             t0 = time.perf_counter()
             local = next(v["it"])
             t1 = time.perf_counter()
@@ -189,11 +195,11 @@ def demo_case(args):
                                   compiles=COMPILES[0] - c0, shape=list(local["input_ids"].shape),
                                   tokens=int(local["attention_mask"].sum()), slots=int(local["attention_mask"].size),
                                   loss=float(m["loss"])))
-        a, b = variants["padded"]["rows"][-1], variants["packed"]["rows"][-1]
-        print(f"step {i:3d}: padded {a['shape']} {a['step_s']:.3f} s | packed {b['shape']} {b['step_s']:.3f} s | "
-              f"loss {a['loss']:.4f} / {b['loss']:.4f}", flush=True)
+        print(f"step {i:3d}: " + " | ".join(f"{n} {variants[n]['rows'][-1]['shape']} {variants[n]['rows'][-1]['step_s']:.3f} s "
+                                          f"loss {variants[n]['rows'][-1]['loss']:.4f}" for n in names), flush=True)
+    logprobs.SMALL_LOGITS_BYTES = whole
     out = {"steps": args.steps, "batch": config.batch_size, "pack": list(pack), "pack_row_multiple": args.pack_row_multiple,
-           "model_params": int(sum(x.size for x in jax.tree.leaves(variants["padded"]["state"].params)))}
+           "model_params": int(sum(x.size for x in jax.tree.leaves(variants[names[0]]["state"].params)))}
     for name, v in variants.items():
         rows = v["rows"]
         steady = [r for r in rows if not r["new_shape"]]
@@ -205,19 +211,21 @@ def demo_case(args):
                          median_step_s=statistics.median(r["step_s"] for r in steady) if steady else float("nan"),
                          fill=sum(r["tokens"] for r in rows) / sum(r["slots"] for r in rows),
                          extrapolated_600_s=first + 600 * mean_total, rows=rows)
-    pa, pk = out["padded"], out["packed"]
+    pa, pk = out[names[0]], out[names[-1]]
+    out["compared"] = [names[0], names[-1]]
     out["max_loss_rel_diff"] = max(abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(pa["rows"], pk["rows"], strict=True))
     out["speedup_steady"] = (pa["mean_data_s"] + pa["mean_put_s"] + pa["mean_step_s"]) / (
         pk["mean_data_s"] + pk["mean_put_s"] + pk["mean_step_s"])
     print(f"\ndemo SFT preset, {args.steps} steps each, alternating (load avg {os.getloadavg()[0]:.1f})")
     print(f"{'layout':8s} {'shapes':>6s} {'compiles':>8s} {'1st/shape s':>11s} {'data s':>7s} {'put s':>6s} {'step s':>7s} "
           f"{'median':>7s} {'fill':>5s} {'600 steps s':>11s}")
-    for name in ("padded", "packed"):
+    for name in names:
         r = out[name]
         print(f"{name:8s} {r['shapes']:6d} {r['compiles']:8d} {r['first_of_shape_s']:11.1f} {r['mean_data_s']:7.3f} "
               f"{r['mean_put_s']:6.3f} {r['mean_step_s']:7.3f} {r['median_step_s']:7.3f} {r['fill']:5.2f} "
               f"{r['extrapolated_600_s']:11.1f}")
-    print(f"steady-state speed-up {out['speedup_steady']:.2f}x; max relative loss difference {out['max_loss_rel_diff']:.1e}")
+    print(f"steady-state speed-up {names[-1]} over {names[0]} {out['speedup_steady']:.2f}x; max relative loss "
+          f"difference {out['max_loss_rel_diff']:.1e}")
     return out
 
 
@@ -292,6 +300,10 @@ def main():
     ap.add_argument("--workdir", default="", help="demo: where the toy world is (generated when missing)")
     ap.add_argument("--pack", default="448,192,64", help="demo: the packed layout's row (tokens,image_tokens,windows)")
     ap.add_argument("--pack-row-multiple", type=int, default=4, help="demo: packed rows are a multiple of this")
+    ap.add_argument("--variants", default="before,after",
+                    help="demo, comma list (first vs last compared): before = padded, log-probs by the rematerialized chunk "
+                         "map (the step before issue 14's SFT work); after = padded, the demo's step now; packed = "
+                         "after with --pack rows")
     ap.add_argument("--tunix-python", default=os.environ.get("TUNIX_PYTHON", "/tmp/tunix-venv/bin/python"))
     ap.add_argument("--out", default=os.path.join(HERE, "results", "sft_step_cpu.json"), help="meshes' JSON")
     ap.add_argument("--out-cases", default=os.path.join(HERE, "results", "sft_step.json"), help="demo/tunix JSON")
