@@ -53,6 +53,9 @@ def get_config(preset: str = "default") -> ml_collections.ConfigDict:
     s.data.synthetic = 0  # data.jsonl: the world's SFT trajectories, filled in by the pipeline
     s.data.max_pixels = c.world.get_ref("max_pixels")
     s.data.buckets = ((96, 16, 4), (192, 32, 8), (256, 64, 16), (448, 64, 16))
+    # data.pack (rows of several examples) stays off: measured side by side (benchmarks/sft_step.py
+    # --case demo, WORKSPACE.md issue 14) rows of (448, 192, 64) were slower than these grouped
+    # buckets in every bucket; try it with --config.sft.data.pack=448,192,64.
     s.checkpoint.update(every_steps=_ceil_div(s.get_ref("total_steps"), 4), keep=2)
     s.log_every = _ceil_div(s.get_ref("total_steps"), 20)
     s.tensorboard = False

@@ -45,6 +45,10 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         max_pixels=12845056,
         buckets=((2048, 1024, 64), (4096, 2048, 128), (8192, 4096, 256)),  # (tokens, image tokens, windows)
         group_window=8,  # group examples by bucket within windows of this many batches (1 = off)
+        # Pack each batch's examples several to a row of this (tokens, image tokens, windows) shape,
+        # at least the largest bucket in every field (segment-masked; same examples, same loss); () = off.
+        pack=(),
+        pack_row_multiple=1,  # packed batches have a multiple of this many rows per host (fewer shapes)
     ))
     c.checkpoint = ml_collections.ConfigDict(dict(every_steps=50, keep=3, async_save=True))
     c.export_policy = True  # write WORKDIR/policy (a converted checkpoint) when training ends

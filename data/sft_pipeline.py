@@ -6,7 +6,8 @@
       -> to_iter_dataset(threads)            featurization runs in `num_threads` reader threads
       .filter(fits a bucket)                 the rest is counted (kind "too_long", file:line)
     SftIterator: windows of `group_window` batches' worth of examples, grouped by bucket, cut into
-      batches, each padded to the largest bucket of its examples (`codedance_jax.train.batching`)
+      batches, each padded to the largest bucket of its examples (`codedance_jax.train.batching`),
+      or, with `pack`, each batch's examples packed several to a row (`train.packing.pack_examples`)
 
 Grouping by bucket inside a window: a batch padded to its longest example wastes the rest of the
 rows (attention cost grows with T^2), so the iterator reads `group_window * batch_size` examples,
@@ -40,7 +41,7 @@ import numpy as np
 from codedance_jax.errors import DataError
 from codedance_jax.model.config import ModelConfig
 from codedance_jax.protocol import CODE, TurnFormat
-from codedance_jax.train import batching
+from codedance_jax.train import batching, packing
 from codedance_jax.train.batching import Bucket, Example, max_bucket_across_hosts
 from data import featurize as features
 from data import sft_tfds
@@ -65,6 +66,8 @@ class SftIterator(grain.DatasetIterator):
         vision_cfg,
         report: DataReport,
         agree_bucket: Callable[[int], int],
+        pack: Bucket | None = None,
+        pack_row_multiple: int = 1,
     ):
         super().__init__(parent)
         if group_window < 1:
@@ -73,6 +76,7 @@ class SftIterator(grain.DatasetIterator):
         self.report = report
         self._bs, self._window, self._drop, self._seed = batch_size, group_window, drop_remainder, seed
         self._pad_id, self._vision_cfg, self._agree = pad_id, vision_cfg, agree_bucket
+        self._pack, self._row_multiple = pack, pack_row_multiple
         self._batches: list[list[Example]] = []
         self._window_state: Any = None  # grain state at the start of the current window
         self._window_index = -1
@@ -104,6 +108,12 @@ class SftIterator(grain.DatasetIterator):
                 raise StopIteration
         examples = self._batches[self._emitted]
         self._emitted += 1
+        if self._pack is not None:  # same examples, same order of batches: only the layout changes
+            rows = packing.pack_examples(examples, self._pack)
+            m = self._row_multiple
+            n_rows = self._agree(-(-len(rows) // m)) * m  # every host must feed the same shape
+            self.last_bucket = None
+            return batching.collate_packed(rows, n_rows, self._pack, pad_id=self._pad_id, vision_cfg=self._vision_cfg)
         idx = self._agree(max(ex.bucket for ex in examples))
         self.last_bucket = idx
         return batching.collate(examples, self.buckets[idx], pad_id=self._pad_id, vision_cfg=self._vision_cfg)
@@ -143,6 +153,8 @@ def make_sft_iterator(
     drop_remainder: bool = True,
     agree_bucket: Callable[[int], int] | None = None,
     group_window: int = 1,
+    pack: Sequence[int] = (),
+    pack_row_multiple: int = 1,
 ) -> SftIterator:
     """Batches for the SFT step.
 
@@ -158,6 +170,10 @@ def make_sft_iterator(
       agree_bucket: maps this host's batch bucket index to the one all hosts use; default
         `max_bucket_across_hosts` (identity on one process).
       group_window: group examples by bucket within windows of this many batches (1 = off).
+      pack: a (tokens, image_tokens, windows) row shape, at least the largest bucket in every
+        field: each batch's examples are packed into rows of it (`train.packing.pack_examples`,
+        `batching.collate_packed`, with `segment_ids`) instead of one padded row each; the batch
+        then has a multiple of `pack_row_multiple` rows (the same on every host). () = off.
     """
     if shard_index is None or shard_count is None:
         import jax
@@ -169,6 +185,13 @@ def make_sft_iterator(
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     _check_processor(processor, model_cfg)
     buckets = batching.check_buckets(buckets)
+    pack_bucket = None
+    if pack:
+        pack_bucket = batching.check_buckets([pack])[0]
+        if not all(x >= y for x, y in zip(pack_bucket, buckets[-1], strict=True)):
+            raise ValueError(f"pack row {pack_bucket} must hold the largest bucket {buckets[-1]} in every field")
+        if pack_row_multiple < 1:
+            raise ValueError(f"pack_row_multiple must be >= 1, got {pack_row_multiple}")
     if isinstance(source, (str, os.PathLike)):
         import tensorflow_datasets as tfds
 
@@ -218,6 +241,8 @@ def make_sft_iterator(
         vision_cfg=model_cfg.vision,
         report=report,
         agree_bucket=agree_bucket or max_bucket_across_hosts,
+        pack=pack_bucket,
+        pack_row_multiple=pack_row_multiple,
     )
 
 

@@ -139,11 +139,16 @@ class Qwen25VL(nnx.Module):
         return self.norm(x), new
 
     # ------------------------------------------------------- jit-level API
-    def forward(self, input_ids, positions, attention_mask, vis: VisionInputs | None = None, *, return_hidden=False):
-        """Full causal forward. input_ids int[B, T], positions int[3, B, T], attention_mask [B, T]."""
+    def forward(self, input_ids, positions, attention_mask, vis: VisionInputs | None = None, *, return_hidden=False,
+                segment_ids=None):
+        """Full causal forward. input_ids int[B, T], positions int[3, B, T], attention_mask [B, T].
+
+        segment_ids int[B, T] (optional; 1-based, 0 on padding): rows holding several sequences
+        (`batching.collate_packed`); a token attends to the earlier tokens of its own segment only."""
         feats = None if vis is None else self.encode_images(vis)
         x = self.embed_tokens(input_ids, feats)
-        h, _ = self._decoder(x, positions, text.causal_mask(attention_mask))
+        mask = text.causal_mask(attention_mask) if segment_ids is None else text.segment_mask(segment_ids - 1)
+        h, _ = self._decoder(x, positions, mask)
         return h if return_hidden else self.logits(h)
 
     def forward_packed(self, input_ids, positions, pack_src, vis: VisionInputs | None = None):

@@ -11,6 +11,7 @@ global batch) assembled into global sharded arrays with `make_array_from_process
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 
@@ -69,17 +70,28 @@ def data_dir(config, workdir: str) -> str:
     return config.data.tfds_dir or os.path.join(workdir, "tfds")
 
 
-def make_data(config, processor, cfg: ModelConfig, workdir: str, per_host_batch: int):
+def make_data(config, processor, cfg: ModelConfig, workdir: str, per_host_batch: int, row_multiple: int = 1):
+    """The batch iterator and the number of records; `row_multiple`: this host's rows in a packed
+    batch must be a multiple of it (the global rows divide over the mesh and the micro-batches)."""
     from data import sft_pipeline, sft_tfds
 
     d = config.data
     source = sft_tfds.open_source(data_dir(config, workdir), d.name)
+    pack = tuple(d.get("pack", ()))
     it = sft_pipeline.make_sft_iterator(
         source, processor, cfg, batch_size=per_host_batch, buckets=[tuple(b) for b in d.buckets],
         seed=config.seed, num_epochs=None, on_error=d.on_error, turn_format=d.turn_format,
-        group_window=d.get("group_window", 1),
+        group_window=d.get("group_window", 1), pack=pack,
+        pack_row_multiple=math.lcm(int(d.get("pack_row_multiple", 1)), row_multiple),
     )
     return it, len(source)
+
+
+def packed_row_multiple(config, mesh) -> int:
+    """The multiple of this host's packed rows that makes the global rows (all hosts' rows
+    together) divide over data * fsdp * grad_accum."""
+    need = mesh.shape["data"] * mesh.shape["fsdp"] * config.grad_accum
+    return need // math.gcd(need, jax.process_count())
 
 
 def global_batch(local: dict, bsh: dict) -> dict:
@@ -111,7 +123,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     from codedance_jax.processing import Processor
 
     processor = Processor.from_pretrained(processor_path(config, workdir))
-    data_it, n_records = make_data(config, processor, cfg, workdir, per_host)
+    data_it, n_records = make_data(config, processor, cfg, workdir, per_host, packed_row_multiple(config, mesh))
     run = setup.open_run(config, workdir, cfg, mesh, rules, tx, params=params)
     run_record.remember(config, workdir, "sft")
     if run.data_state:

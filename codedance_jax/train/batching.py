@@ -100,7 +100,28 @@ def collate(
     examples: Sequence[Example], bucket: Bucket, *, pad_id: int, vision_cfg: VisionConfig
 ) -> dict[str, np.ndarray]:
     """Pad `examples` into one batch of shape `bucket` (see the module docstring for the contract)."""
-    bsz, (t, nb, wb) = len(examples), bucket
+    batch = _collate_rows([[ex] for ex in examples], len(examples), bucket, pad_id=pad_id, vision_cfg=vision_cfg)
+    del batch["segment_ids"]
+    return batch
+
+
+def collate_packed(
+    rows: Sequence[Sequence[Example]], num_rows: int, bucket: Bucket, *, pad_id: int, vision_cfg: VisionConfig
+) -> dict[str, np.ndarray]:
+    """Several examples per row (`train.packing.pack_examples`): the batch contract with `num_rows`
+    rows of shape `bucket` (rows past len(rows) are padding) plus segment_ids int32[R, T] (k on the
+    k-th example of the row, 1-based; 0 on padding). Each example keeps its own M-RoPE positions
+    (from 0), its targets end with it, and a row's images are its examples' images in order (one
+    vision plan per row: images never attend to each other), so a forward with a segment mask
+    (`Qwen25VL.forward(segment_ids=)`) gives every token the hidden state it has unpacked."""
+    if len(rows) > num_rows:
+        raise ValueError(f"{len(rows)} packed rows do not fit in {num_rows}")
+    return _collate_rows(list(rows) + [[]] * (num_rows - len(rows)), num_rows, bucket, pad_id=pad_id,
+                         vision_cfg=vision_cfg)
+
+
+def _collate_rows(rows, bsz: int, bucket: Bucket, *, pad_id: int, vision_cfg: VisionConfig) -> dict[str, np.ndarray]:
+    t, nb, wb = bucket
     q, u, pd = vision_cfg.merge_unit, vision_cfg.window_merged**2, vision_cfg.patch_dim
     batch = {
         "input_ids": np.full((bsz, t), pad_id, np.int32),
@@ -113,18 +134,27 @@ def collate(
         "pos_hw": np.zeros((bsz, wb * u * q, 2), np.int32),
         "image_id": np.zeros((bsz, wb * u), np.int32),
         "out_index": np.zeros((bsz, nb), np.int32),
+        "segment_ids": np.zeros((bsz, t), np.int32),
     }
-    for b, ex in enumerate(examples):
-        n = len(ex.input_ids)
-        if n > t or ex.needs.image_tokens > nb or ex.needs.windows > wb:
-            raise ValueError(f"{ex.source}: needs {ex.needs}, more than bucket {bucket}")
-        batch["input_ids"][b, :n] = ex.input_ids
-        batch["attention_mask"][b, :n] = 1
-        batch["targets"][b, : n - 1] = ex.input_ids[1:]
-        batch["loss_mask"][b, : n - 1] = ex.trained[1:]
-        batch["positions"][:, b, :n] = ex.positions
-        batch["pixel_values"][b, : len(ex.pixel_values)] = ex.pixel_values
-        plan = make_plan(ex.grid_thw, vision_cfg, num_windows=wb, num_units=nb)
+    for b, row in enumerate(rows):
+        need = Bucket(*(sum(getattr(ex.needs, f) for ex in row) for f in Bucket._fields))
+        if need.tokens > t or need.image_tokens > nb or need.windows > wb:
+            what = row[0].source if len(row) == 1 else f"{len(row)} examples ({row[0].source}, ...)"
+            raise ValueError(f"{what}: needs {need}, more than bucket {bucket}")
+        s, p = 0, 0
+        for k, ex in enumerate(row):
+            n = len(ex.input_ids)
+            batch["input_ids"][b, s : s + n] = ex.input_ids
+            batch["attention_mask"][b, s : s + n] = 1
+            batch["segment_ids"][b, s : s + n] = k + 1
+            batch["targets"][b, s : s + n - 1] = ex.input_ids[1:]
+            batch["loss_mask"][b, s : s + n - 1] = ex.trained[1:]
+            batch["positions"][:, b, s : s + n] = ex.positions
+            batch["pixel_values"][b, p : p + len(ex.pixel_values)] = ex.pixel_values
+            s, p = s + n, p + len(ex.pixel_values)
+        grids = [ex.grid_thw for ex in row if len(ex.grid_thw)]
+        grid = np.concatenate(grids) if grids else np.zeros((0, 3), np.int64)
+        plan = make_plan(grid, vision_cfg, num_windows=wb, num_units=nb)
         batch["unit_src"][b] = plan.unit_src
         batch["pos_hw"][b] = plan.pos_hw
         batch["image_id"][b] = plan.image_id

@@ -11,12 +11,20 @@ mask and each token's own positions; `unpack` scatters per-slot values back to [
 The field has the batch as its leading axis, so it shards and pads (`rl_batch.pad_rows`, -1) like
 the others. It is built per process: with several processes the stream would be cut across hosts,
 so `pack_plan` is only used with one (see `rl_batch.grpo_batch`).
+
+SFT batches are packed on the host instead (`pack_examples` + `batching.collate_packed`): whole
+examples share rows, each with its own positions, images and a `segment_ids` field that the forward
+turns into a segment mask; the rows are built per host, so this works with any number of processes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax.numpy as jnp
 import numpy as np
+
+from codedance_jax.train.batching import Bucket, Example
 
 # K = T * n / 16 for the first n whose packed rows hold the batch: a few shapes per bucket (each one
 # compiles the log-prob and update steps once), fine enough that a batch needs at most ~1.5x its rows.
@@ -67,3 +75,26 @@ def unpack(x_rt, src_rt, shape_bt):
     b, t = shape_bt
     idx = jnp.where(src_rt >= 0, src_rt, b * t).reshape(-1)
     return jnp.zeros((b * t,), x_rt.dtype).at[idx].set(x_rt.reshape(-1), mode="drop").reshape(b, t)
+
+
+def pack_examples(examples: Sequence[Example], bucket: Bucket) -> list[list[Example]]:
+    """Whole examples into rows of `bucket` (tokens, image tokens and windows all within it): first
+    fit, longest first; each row keeps its examples in their batch order. For SFT batches
+    (`batching.collate_packed`): a batch of 16 examples of ~130 tokens padded to its bucket fills
+    ~60% of its slots, packed rows of the largest bucket ~90%."""
+    bins: list[list[int]] = []
+    room: list[np.ndarray] = []
+    cap = np.asarray(bucket)
+    for i in sorted(range(len(examples)), key=lambda i: -examples[i].needs.tokens):
+        need = np.asarray(examples[i].needs)
+        if (need > cap).any():
+            raise ValueError(f"{examples[i].source}: needs {examples[i].needs}, more than the packed row {bucket}")
+        for j, free in enumerate(room):
+            if (free >= need).all():
+                bins[j].append(i)
+                room[j] = free - need
+                break
+        else:
+            bins.append([i])
+            room.append(cap - need)
+    return [[examples[i] for i in sorted(b)] for b in bins]

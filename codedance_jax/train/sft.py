@@ -21,8 +21,10 @@ from codedance_jax.train.logprobs import output_weight, token_logprobs
 from codedance_jax.train.state import ModelDef, TrainState
 
 VISION_KEYS = ("pixel_values", "unit_src", "pos_hw", "image_id", "out_index")
-# pack_src (optional): the packed layout of `train.packing` (GRPO batches).
-BATCH_FIELDS = ("input_ids", "attention_mask", "targets", "loss_mask", "positions", *VISION_KEYS, "pack_src")
+# pack_src (optional): the packed layout of `train.packing` (GRPO batches); segment_ids (optional):
+# rows holding several examples (`batching.collate_packed`, SFT batches).
+BATCH_FIELDS = ("input_ids", "attention_mask", "targets", "loss_mask", "positions", *VISION_KEYS, "pack_src",
+                "segment_ids")
 # Logical axes of each batch field; `positions` carries the batch on its second axis.
 BATCH_AXES = {"positions": (None, "batch", None)}
 
@@ -43,7 +45,8 @@ def vision_inputs(batch) -> VisionInputs | None:
 
 def hidden_states(mdef: ModelDef, params, batch):
     model = mdef.model(params)
-    h = model.forward(batch["input_ids"], batch["positions"], batch["attention_mask"], vision_inputs(batch), return_hidden=True)
+    h = model.forward(batch["input_ids"], batch["positions"], batch["attention_mask"], vision_inputs(batch), return_hidden=True,
+                      segment_ids=batch.get("segment_ids"))
     return model, h
 
 

@@ -282,3 +282,30 @@ def test_padded_row_gives_the_same_image_features_as_unpadded(built, processor, 
     n = plan.num_units
     assert got.shape[0] == BUCKETS[1][1] and n == int((batch["input_ids"][0] == model_cfg.image_token_id).sum())
     np.testing.assert_allclose(np.asarray(got[:n]), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def _segments(batch):
+    """Each packed example's token ids (by segment), as tuples."""
+    out = []
+    for ids, seg in zip(batch["input_ids"], batch["segment_ids"], strict=True):
+        out += [tuple(ids[seg == k]) for k in range(1, int(seg.max()) + 1)]
+    return out
+
+
+def test_packed_batches_hold_the_same_examples_in_fewer_rows(built, processor, model_cfg):
+    """data.pack: the same examples per batch, in the same order of batches, several to a row; the
+    same loss tokens; rows a multiple of pack_row_multiple; hosts agree on the row count."""
+    pack = tuple(max(b[i] for b in BUCKETS) * (2 if i == 0 else 1) for i in range(3))
+    plain = _iter(built, processor, model_cfg, num_epochs=1, batch_size=3)
+    packed = _iter(built, processor, model_cfg, num_epochs=1, batch_size=3, pack=pack, pack_row_multiple=2)
+    n = 0
+    for a, b in zip(plain, packed, strict=True):
+        assert sorted(_rows(a)) == sorted(_segments(b))
+        assert a["loss_mask"].sum() == b["loss_mask"].sum() and b["input_ids"].shape[1] == pack[0]
+        assert b["input_ids"].shape[0] % 2 == 0 and b["input_ids"].shape[0] <= 4
+        n += 1
+    assert n > 1
+    agreed = _iter(built, processor, model_cfg, num_epochs=1, batch_size=3, pack=pack, agree_bucket=lambda i: 3)
+    assert {b["input_ids"].shape[0] for b in agreed} == {3}
+    with pytest.raises(ValueError, match="must hold the largest bucket"):
+        _iter(built, processor, model_cfg, pack=(8, 1, 1))

@@ -88,3 +88,28 @@ def test_tiny_model_overfits_a_handful_of_examples():
     b = [train_batch(rng, cfg, 4, 32, ROW_GRIDS)]
     losses, _ = _run(cfg, b, (1, 1, 1), steps=40, lr=1e-2)
     assert losses[0] > 10 and losses[-1] < losses[0] / 20, losses
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_chunked_logprobs_equal_the_whole_batch_computation(monkeypatch, with_entropy):
+    """`token_logprobs` takes the rematerialized chunk map above SMALL_LOGITS_BYTES and one piece
+    below it: the same values and gradients (T = 50 with chunk 16: a padded last chunk)."""
+    from codedance_jax.train import logprobs
+
+    rng = np.random.default_rng(5)
+    h = rng.standard_normal((3, 50, 16)).astype(np.float32)
+    w = rng.standard_normal((16, 40)).astype(np.float32)
+    tg = rng.integers(0, 40, (3, 50)).astype(np.int32)
+
+    def f(h, w):
+        out = logprobs.token_logprobs(h, w, tg, temperature=0.7, chunk=16, with_entropy=with_entropy)
+        return sum(x.sum() for x in out) if with_entropy else out.sum(), out
+
+    whole = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(h, w)
+    monkeypatch.setattr(logprobs, "SMALL_LOGITS_BYTES", 0)
+    chunked = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(h, w)
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(chunked), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)  # float32 sums in another order
+    ref = jax.nn.log_softmax(np.einsum("btd,dv->btv", h, w) / 0.7)
+    lp = whole[0][1][0] if with_entropy else whole[0][1]
+    np.testing.assert_allclose(np.asarray(lp), np.take_along_axis(np.asarray(ref), tg[..., None], -1)[..., 0], atol=1e-4)
