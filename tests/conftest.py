@@ -71,6 +71,9 @@ _CACHE_EVENTS = {"/jax/compilation_cache/compile_requests_use_cache": 0, "/jax/c
 
 
 def pytest_configure(config):
+    # xdist would otherwise order files by their number of tests, not by _LONG_FIRST's order.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     import jax
 
     def count(event, **kwargs):
