@@ -36,6 +36,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)  # stable: within a file and among the rest, the collected order stays
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: without it installed, unused
 def pytest_xdist_auto_num_workers(config):
     # One worker per core, at most 4: several tests start multi-process runs of their own.
     return max(1, min(4, len(os.sched_getaffinity(0))))
