@@ -148,14 +148,10 @@ def rate_intervals(records: Sequence, metas: Sequence[Mapping] | None = None, ke
     recs = list(records)
     if metas is None:
         metas = [dict(_get(r, "meta") or {}) for r in recs]
+    from codedance_jax.rl.scoring import metadata_groups  # here: scoring imports JAX (rbat)
+
     out = dict(_group_intervals(recs, z)) if recs else {}
-    groups: dict[str, list[int]] = {}
-    for i, m in enumerate(metas):
-        for k in keys:
-            groups.setdefault(f"{k}={m.get(k)}", []).append(i)
-        if len(keys) > 1:
-            groups.setdefault(",".join(f"{k}={m.get(k)}" for k in keys), []).append(i)
-    for g, idx in sorted(groups.items()):
+    for g, idx in sorted(metadata_groups(metas, keys).items()):
         for name, v in _group_intervals([recs[i] for i in idx], z).items():
             out[f"{g}/{name}"] = v
     return out

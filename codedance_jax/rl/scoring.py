@@ -87,6 +87,18 @@ def _summary(trajs, acc) -> dict:
     }
 
 
+def metadata_groups(metas: Sequence[dict], keys: Sequence[str]) -> dict[str, list[int]]:
+    """Row indices per `{key}={value}`, and per combination `a=x,b=y` when there are two or more
+    keys: the groups (and key names) of `summarize` and of `eval.intervals`."""
+    groups: dict[str, list[int]] = {}
+    for i, m in enumerate(metas):
+        for k in keys:
+            groups.setdefault(f"{k}={m.get(k)}", []).append(i)
+        if len(keys) > 1:
+            groups.setdefault(",".join(f"{k}={m.get(k)}" for k in keys), []).append(i)
+    return groups
+
+
 def summarize(trajs, acc, metas: Sequence[dict] | None = None, keys: Sequence[str] = ()) -> dict:
     """Overall metrics, and per value of each metadata key (`{key}={value}/{metric}`), and per
     combination of the keys when there are two or more (`a=x,b=y/{metric}`)."""
@@ -94,13 +106,7 @@ def summarize(trajs, acc, metas: Sequence[dict] | None = None, keys: Sequence[st
     out = _summary(trajs, acc)
     if not metas or not keys:
         return out
-    groups: dict[str, list[int]] = {}
-    for i, m in enumerate(metas):
-        for k in keys:
-            groups.setdefault(f"{k}={m.get(k)}", []).append(i)
-        if len(keys) > 1:
-            groups.setdefault(",".join(f"{k}={m.get(k)}" for k in keys), []).append(i)
-    for g, idx in sorted(groups.items()):
+    for g, idx in sorted(metadata_groups(metas, keys).items()):
         for name, v in _summary([trajs[i] for i in idx], acc[idx]).items():
             out[f"{g}/{name}"] = v
     return out
