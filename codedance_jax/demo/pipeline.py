@@ -236,7 +236,7 @@ def ablate(c, workdir: str, modes=tuple(m for m, _ in ABLATION_ROWS)) -> dict:
     """Table 3 on the toy world: the reward variants trained from the same SFT policy with the same
     seeds (same prompts per step, same sampling keys), each evaluated on the held-out split, greedy
     and (with `eval.samples` > 0) sampled: results `sft`, `sft_sampled`, `{mode}`, `{mode}_sampled`."""
-    from codedance_jax.demo.report import fmt_ci
+    from codedance_jax.demo.numbers import fmt_ci
     from codedance_jax.runs import grpo as grpo_run
 
     workdir = os.path.abspath(workdir)

@@ -1,4 +1,5 @@
-"""The demo's report: `report.md`, `summary.json`, `report.html` and `plots/*.png` in one folder.
+"""The demo's report: `report.md`, `summary.json`, `report.html` and `plots/*.png` in one folder
+(how numbers are written: `numbers.py`; the checks: `checks.py`; the plots: `plots.py`).
 
     paths = write_report(out_dir, evals={"sft": s0, "grpo": s1},
                          eval_trajectories={"sft": ".../trajectories.jsonl", "grpo": ...},
@@ -45,16 +46,23 @@ from collections.abc import Mapping, Sequence
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from codedance_jax.demo.checks import (
+    _check_html,
+    _verdict,
+    adaptive_checks,
+    check_targets,
+    effect_checks,
+    targets_table,
+)
+from codedance_jax.demo.numbers import _ci, _fmt_diff, _num, fmt_ci, fmt_metric
+from codedance_jax.demo.plots import plot_step_rates, series, step_rates, write_plots
 from eval import tool_analytics
-from eval.intervals import difference, rate_intervals
+from eval.intervals import difference
 from eval.report import CSS as EVAL_CSS
 from eval.trajectory_html import trajectory_html
 
 FAMILY_ORDER = ("count", "bars", "find")
 DIFFICULTY_ORDER = ("easy", "hard")
-RATES = ("accuracy", "exec_success", "tool_rate")
-COUNTS = ("n", "n_items", "samples_per_item")
-METRICS = ("accuracy", "avg_turns", "exec_success", "tool_calls", "tool_rate", "n")
 EVAL_COLUMNS = [
     ("accuracy", "accuracy"),
     ("avg_turns", "avg turns"),
@@ -77,21 +85,6 @@ DIFF_KEYS = [
     ("exec_success", "exec success"),
 ]
 
-# (file stem, title, y label, metrics source, [(key, legend label)], y is a rate)
-PLOTS = [
-    ("sft_loss", "SFT loss", "loss", "sft", [("loss", "train"), ("eval/loss", "eval")], False),
-    ("grpo_reward", "GRPO mean reward", "reward (R_BAT total)", "grpo", [("reward/total", "reward/total")], False),
-    ("grpo_accuracy", "GRPO accuracy", "accuracy", "grpo",
-     [("accuracy", "rollouts"), ("difficulty=easy/accuracy", "rollouts, easy"),
-      ("difficulty=hard/accuracy", "rollouts, hard"), ("eval/accuracy", "held-out eval")], True),
-    ("grpo_turns", "GRPO average turns", "turns / trajectory", "grpo",
-     [("avg_turns", "rollouts"), ("eval/avg_turns", "held-out eval")], False),
-    ("grpo_exec_success", "GRPO execution success", "successful executions / executions", "grpo",
-     [("exec_success", "rollouts"), ("eval/exec_success", "held-out eval")], True),
-    ("grpo_entropy", "GRPO policy entropy", "entropy", "grpo", [("train/entropy", "entropy")], False),
-    ("grpo_tool_rate", "GRPO tool-call rate by difficulty", "share of trajectories with a tool call", "grpo",
-     [("difficulty=easy/tool_rate", "easy"), ("difficulty=hard/tool_rate", "hard")], True),
-]
 
 INTERVALS_NOTE = ("Wilson score intervals; a sampled evaluation's k draws of one item, and one trajectory's "
                   "executions, count as one cluster (effective sample size by Kish's design effect).")
@@ -111,57 +104,6 @@ h2{border-bottom:1px solid #ccc;padding-bottom:.2em}
 
 
 # ---------------------------------------------------------------- numbers
-
-
-def _num(v) -> float | None:
-    """A finite float, or None (missing, NaN, not a number)."""
-    if isinstance(v, bool) or v is None:
-        return None
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return None
-    return f if math.isfinite(f) else None
-
-
-def fmt_metric(metric: str, v) -> str:
-    """Rates as percentages (one decimal), turns and calls with two decimals, counts as integers."""
-    f = _num(v)
-    if f is None:
-        return "n/a"
-    if metric in RATES:
-        return f"{100 * f:.1f}%"
-    if metric in COUNTS:
-        return str(int(f))
-    return f"{f:.2f}"
-
-
-def _ci(v) -> tuple[float, float] | None:
-    """A finite [lo, hi] pair, or None."""
-    if not isinstance(v, list | tuple) or len(v) != 2:
-        return None
-    lo, hi = _num(v[0]), _num(v[1])
-    return None if lo is None or hi is None else (lo, hi)
-
-
-def fmt_ci(metric: str, v, ci) -> str:
-    """A rate with its 95% interval, `91.7% [85.3, 95.5]` (the bare value without an interval)."""
-    text = fmt_metric(metric, v)
-    c = _ci(ci)
-    if metric not in RATES or c is None or _num(v) is None:
-        return text
-    return f"{text} [{100 * c[0]:.1f}, {100 * c[1]:.1f}]"
-
-
-def _fmt_diff(d, ci) -> str:
-    """A difference in percentage points with its interval; `*` when the interval excludes 0."""
-    d, c = _num(d), _ci(ci)
-    if d is None:
-        return "n/a"
-    if c is None:
-        return f"{100 * d:+.1f} pts"
-    star = " *" if c[0] > 0 or c[1] < 0 else ""
-    return f"{100 * d:+.1f} pts [{100 * c[0]:+.1f}, {100 * c[1]:+.1f}]{star}"
 
 
 def _clean(obj):
@@ -278,148 +220,6 @@ def differences_table(diffs: Mapping[str, Mapping]) -> tuple[list[str], list[lis
     return header, rows
 
 
-def lookup(summary: Mapping, key: str):
-    """A target key's value in a summary: the key itself, `overall_{metric}`, or `{value}_{metric}`
-    where `value` is a breakdown value (`hard_accuracy` -> `difficulty=hard/accuracy`)."""
-    if key in summary:
-        return summary[key]
-    for m in sorted(METRICS, key=len, reverse=True):
-        if key == m or key.endswith("_" + m):
-            scope = key[: -len(m)].rstrip("_")
-            break
-    else:
-        return None
-    if scope in ("", "overall", "all"):
-        return summary.get(m)
-    for k, v in summary.items():
-        prefix, _, metric = k.rpartition("/")
-        if metric == m and "," not in prefix and prefix.partition("=")[2] == scope:
-            return v
-    return None
-
-
-def _threshold(spec) -> tuple[str, float]:
-    if isinstance(spec, Mapping):
-        if "max" in spec:
-            return "<=", float(spec["max"])
-        return ">=", float(spec["min"])
-    return ">=", float(spec)
-
-
-def check_targets(evals: Mapping[str, Mapping], targets: Mapping | None) -> dict:
-    """{eval: {target: {value, op, threshold, met}}}; a missing/NaN value is not met."""
-    out = {}
-    for name, s in evals.items():
-        res = {}
-        for key, spec in (targets or {}).items():
-            op, thr = _threshold(spec)
-            v = _num(lookup(s, key))
-            met = v is not None and (v >= thr if op == ">=" else v <= thr)
-            res[key] = {"value": v, "op": op, "threshold": thr, "met": bool(met)}
-        out[name] = res
-    return out
-
-
-def adaptive_checks(evals: Mapping[str, Mapping], before: str = "sft", after: str = "grpo",
-                    hard_tool_rate_min: float = 0.8) -> list[dict]:
-    """The two adaptive-tool-use checks; `met` is None when an evaluation or a value is missing."""
-    b, a = evals.get(before), evals.get(after)
-    checks = []
-    name_a = f"{after} does not lower accuracy vs {before}"
-    name_b = (f"{after} lowers the tool-call rate on easy items vs {before}, "
-              f"hard items stay >= {fmt_metric('tool_rate', hard_tool_rate_min)}")
-    if b is None or a is None:
-        why = f"not evaluated: needs evaluations named '{before}' and '{after}'"
-        return [{"name": name_a, "met": None, "detail": why}, {"name": name_b, "met": None, "detail": why}]
-    acc_b, acc_a = _num(b.get("accuracy")), _num(a.get("accuracy"))
-    met = None if acc_b is None or acc_a is None else acc_a >= acc_b
-    checks.append({
-        "name": name_a, "met": met, "values": {before: acc_b, after: acc_a},
-        "detail": f"accuracy {before} {fmt_metric('accuracy', acc_b)} -> {after} {fmt_metric('accuracy', acc_a)}",
-    })
-    easy_b, easy_a = _num(lookup(b, "easy_tool_rate")), _num(lookup(a, "easy_tool_rate"))
-    hard_b, hard_a = _num(lookup(b, "hard_tool_rate")), _num(lookup(a, "hard_tool_rate"))
-    if None in (easy_b, easy_a, hard_a):
-        met = None
-    else:
-        met = easy_a < easy_b and hard_a >= hard_tool_rate_min
-    checks.append({
-        "name": name_b, "met": met,
-        "values": {f"{before} easy": easy_b, f"{after} easy": easy_a, f"{before} hard": hard_b, f"{after} hard": hard_a},
-        "detail": (f"easy tool-call rate {before} {fmt_metric('tool_rate', easy_b)} -> {after} "
-                   f"{fmt_metric('tool_rate', easy_a)}; hard {before} {fmt_metric('tool_rate', hard_b)} -> {after} "
-                   f"{fmt_metric('tool_rate', hard_a)} (needs >= {fmt_metric('tool_rate', hard_tool_rate_min)})"),
-    })
-    return checks
-
-
-def effect_checks(evals: Mapping[str, Mapping], diffs: Mapping[str, Mapping], spec: Mapping | None,
-                  before: str = "sft", after: str = "grpo") -> list[dict]:
-    """Issue 18's targets for GRPO against SFT (`spec`: `accuracy_gain` (sampled, and its interval
-    above 0), `easy_tool_rate_ratio` (easy-item tool rate after <= ratio x before, greedy and
-    sampled), `hard_tool_rate_min` (hard items' tool rate after, both)); greedy accuracy and hard
-    accuracy must not fall. `met` is None where an evaluation or a value is missing."""
-    if not spec:
-        return []
-    bs, as_ = f"{before}_sampled", f"{after}_sampled"
-    sampled = diffs.get(f"{as_} - {bs}", {})
-    greedy = diffs.get(f"{after} - {before}", {})
-    out = []
-
-    def add(name, met, detail):
-        out.append({"name": name, "met": met, "detail": detail})
-
-    gain = float(spec.get("accuracy_gain", 0.05))
-    d = sampled.get("accuracy") or {}
-    ok = None if d.get("diff") is None or d.get("ci95") is None else bool(d["diff"] >= gain and d["ci95"][0] > 0)
-    add(f"sampled accuracy {as_} >= {bs} + {100 * gain:.0f} pts, interval above 0", ok,
-        f"{_fmt_diff(d.get('diff'), d.get('ci95'))}")
-    for pair, label in ((greedy, "greedy"), (sampled, "sampled")):
-        for key in ("accuracy", "accuracy, hard"):
-            d = pair.get(key) or {}
-            ok = None if d.get("diff") is None else bool(d["diff"] >= 0)
-            add(f"{label} {key} does not fall", ok, _fmt_diff(d.get("diff"), d.get("ci95")))
-    ratio = float(spec.get("easy_tool_rate_ratio", 0.5))
-    hard_min = float(spec.get("hard_tool_rate_min", 0.9))
-    for b, a, label in ((before, after, "greedy"), (bs, as_, "sampled")):
-        eb, ea = evals.get(b), evals.get(a)
-        vb = _num(lookup(eb, "easy_tool_rate")) if eb else None
-        va = _num(lookup(ea, "easy_tool_rate")) if ea else None
-        # A cold start that calls no tool on easy items leaves nothing to halve: not evaluated.
-        ok = None if vb is None or va is None or vb == 0 else bool(va <= ratio * vb)
-        add(f"{label} easy-item tool-call rate {a} <= {ratio:g} x {b}", ok,
-            f"{fmt_metric('tool_rate', vb)} -> {fmt_metric('tool_rate', va)}"
-            + (f" ({b} calls no tool on easy items)" if vb == 0 else ""))
-        vh = _num(lookup(ea, "hard_tool_rate")) if ea else None
-        add(f"{label} hard-item tool-call rate {a} >= {fmt_metric('tool_rate', hard_min)}",
-            None if vh is None else bool(vh >= hard_min), fmt_metric("tool_rate", vh))
-    return out
-
-
-def _check_html(c: Mapping) -> str:
-    cls = {True: "met", False: "notmet"}.get(c["met"], "")
-    return (f'<li>{html.escape(c["name"])}: <span class="{cls}">{html.escape(_verdict(c["met"]))}</span> '
-            f"({html.escape(c['detail'])})</li>")
-
-
-def _verdict(met) -> str:
-    return "not evaluated" if met is None else ("met" if met else "NOT met")
-
-
-def targets_table(results: dict, targets: Mapping | None) -> tuple[list[str], list[list[str]]]:
-    header = ["target", "threshold"] + list(results)
-    rows = []
-    for key, spec in (targets or {}).items():
-        op, thr = _threshold(spec)
-        metric = next((m for m in sorted(METRICS, key=len, reverse=True) if key.endswith(m)), "")
-        row = [key, f"{op} {fmt_metric(metric, thr)}"]
-        for res in results.values():
-            r = res[key]
-            row.append(f"{fmt_metric(metric, r['value'])} {_verdict(r['met'])}")
-        rows.append(row)
-    return header, rows
-
-
 def _md_table(header, rows) -> str:
     def cell(s):
         return str(s).replace("|", "\\|").replace("\n", " ")
@@ -445,52 +245,6 @@ def _is_flat(d: Mapping) -> bool:
 
 
 # ---------------------------------------------------------------- plots
-
-
-def series(rows: Sequence[Mapping], key: str) -> tuple[list[float], list[float]]:
-    """(steps, values) of `key` over metric rows, skipping rows without it or with a non-finite value."""
-    pts = []
-    for i, r in enumerate(rows or ()):
-        y = _num(r.get(key)) if isinstance(r, Mapping) else None
-        if y is None:
-            continue
-        x = _num(r.get("step"))
-        pts.append((i if x is None else x, y))
-    pts.sort(key=lambda p: p[0])
-    return [p[0] for p in pts], [p[1] for p in pts]
-
-
-def write_plots(plot_dir: str, sft_metrics, grpo_metrics) -> tuple[dict[str, str], list[str]]:
-    """Draw the training curves; returns ({stem: path}, [titles of plots without data])."""
-    os.makedirs(plot_dir, exist_ok=True)
-    sources = {"sft": sft_metrics or [], "grpo": grpo_metrics or []}
-    written, empty = {}, []
-    for stem, title, ylabel, src, keys, rate in PLOTS:
-        data = [(label, *series(sources[src], key), key.startswith("eval/")) for key, label in keys]
-        data = [d for d in data if d[1]]
-        if not data:
-            empty.append(title)
-            continue
-        fig = Figure(figsize=(6, 3.6), dpi=100)
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot()
-        for label, xs, ys, is_eval in data:
-            few = len(xs) <= 30
-            ax.plot(xs, ys, label=label, linestyle="--" if is_eval else "-",
-                    marker=("s" if is_eval else "o") if few else None, markersize=4)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-        if rate:
-            ax.set_ylim(-0.03, 1.03)
-        ax.grid(alpha=0.3)
-        if len(data) > 1 or len(keys) > 1:
-            ax.legend(fontsize="small")
-        fig.tight_layout()
-        path = os.path.join(plot_dir, f"{stem}.png")
-        fig.savefig(path, format="png")
-        written[stem] = path
-    return written, empty
 
 
 # ---------------------------------------------------------------- example trajectories
@@ -621,74 +375,6 @@ def tool_use_section(eval_trajectories: Mapping[str, str], sft_data: Sequence[st
             out["plot"] = os.path.join(plot_dir, "grpo_tool_use.png")
             fig.savefig(out["plot"], format="png")
     return out
-
-
-STEP_RATES = (("accuracy", "accuracy"), ("tool_rate", "tool-call rate"))
-
-
-def _prompt_meta(rec: Mapping, metas: Mapping[str, Mapping] | None) -> dict:
-    """A GRPO record's prompt metadata: GRPO names a prompt `{id}@{epoch}`, the prompts file `{id}`."""
-    pid = str(rec.get("prompt_id"))
-    for key in (pid, pid.rpartition("@")[0]):
-        if metas and key in metas:
-            return dict(metas[key])
-    return dict(rec.get("meta") or {})
-
-
-def step_rates(records: Sequence[Mapping], metas: Mapping[str, Mapping] | None = None) -> list[dict]:
-    """Per GRPO step (from the records' sampling policy): accuracy and tool-call rate of its rollouts,
-    overall and per difficulty, each with its 95% interval (the group of one prompt is a cluster).
-    `metas`: prompt id -> metadata ({"difficulty": ...}; the records' own `meta` otherwise)."""
-    by_step: dict[int, list] = {}
-    for r in records:
-        s = tool_analytics.record_step(r)
-        if s is not None:
-            by_step.setdefault(s, []).append(r)
-    rows = []
-    for s in sorted(by_step):
-        recs = by_step[s]
-        ms = [_prompt_meta(r, metas) for r in recs]
-        row = {"step": s, "n": len(recs), **rate_intervals(recs, ms, ("difficulty",))}
-        for prefix in [""] + sorted({f"difficulty={m.get('difficulty')}/" for m in ms}):
-            idx = [i for i, m in enumerate(ms) if not prefix or f"difficulty={m.get('difficulty')}/" == prefix]
-            sub = [recs[i] for i in idx]
-            row[f"{prefix}accuracy"] = sum(bool(r.get("correct")) for r in sub) / len(sub)
-            row[f"{prefix}tool_rate"] = sum(any(st in tool_analytics.EXECUTED for st in r.get("turn_status") or [])
-                                            for r in sub) / len(sub)
-        rows.append(row)
-    return rows
-
-
-def plot_step_rates(rows: Sequence[Mapping], path: str) -> str | None:
-    """Accuracy and tool-call rate per GRPO step, easy and hard, with 95% bands; None without data."""
-    if not rows:
-        return None
-    fig = Figure(figsize=(9, 3.6), dpi=100)
-    FigureCanvasAgg(fig)
-    drawn = False
-    for k, (metric, title) in enumerate(STEP_RATES):
-        ax = fig.add_subplot(1, len(STEP_RATES), k + 1)
-        for prefix, label in (("difficulty=easy/", "easy"), ("difficulty=hard/", "hard"), ("", "all")):
-            pts = [(r["step"], r[f"{prefix}{metric}"], _ci(r.get(f"{prefix}{metric}_ci95"))) for r in rows
-                   if _num(r.get(f"{prefix}{metric}")) is not None and _ci(r.get(f"{prefix}{metric}_ci95"))]
-            if not pts:
-                continue
-            xs, ys, cis = zip(*pts, strict=True)
-            line = ax.plot(xs, ys, label=label, marker="o" if len(xs) <= 30 else None, markersize=4,
-                           linestyle="--" if not prefix else "-")[0]
-            ax.fill_between(xs, [c[0] for c in cis], [c[1] for c in cis], color=line.get_color(), alpha=0.15)
-            drawn = True
-        ax.set_title(f"GRPO rollouts: {title}")
-        ax.set_xlabel("step")
-        ax.set_ylim(-0.03, 1.03)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
-    if not drawn:
-        return None
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fig.savefig(path, format="png")
-    return path
 
 
 def _pct(v) -> str:

@@ -1,0 +1,58 @@
+"""How the demo's report writes numbers: rates as percentages with their 95% interval, differences
+in percentage points, a value that was not measured (NaN: no code ran) as "n/a"."""
+
+from __future__ import annotations
+
+import math
+
+RATES = ("accuracy", "exec_success", "tool_rate")
+
+COUNTS = ("n", "n_items", "samples_per_item")
+
+METRICS = ("accuracy", "avg_turns", "exec_success", "tool_calls", "tool_rate", "n")
+
+def _num(v) -> float | None:
+    """A finite float, or None (missing, NaN, not a number)."""
+    if isinstance(v, bool) or v is None:
+        return None
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+def fmt_metric(metric: str, v) -> str:
+    """Rates as percentages (one decimal), turns and calls with two decimals, counts as integers."""
+    f = _num(v)
+    if f is None:
+        return "n/a"
+    if metric in RATES:
+        return f"{100 * f:.1f}%"
+    if metric in COUNTS:
+        return str(int(f))
+    return f"{f:.2f}"
+
+def _ci(v) -> tuple[float, float] | None:
+    """A finite [lo, hi] pair, or None."""
+    if not isinstance(v, list | tuple) or len(v) != 2:
+        return None
+    lo, hi = _num(v[0]), _num(v[1])
+    return None if lo is None or hi is None else (lo, hi)
+
+def fmt_ci(metric: str, v, ci) -> str:
+    """A rate with its 95% interval, `91.7% [85.3, 95.5]` (the bare value without an interval)."""
+    text = fmt_metric(metric, v)
+    c = _ci(ci)
+    if metric not in RATES or c is None or _num(v) is None:
+        return text
+    return f"{text} [{100 * c[0]:.1f}, {100 * c[1]:.1f}]"
+
+def _fmt_diff(d, ci) -> str:
+    """A difference in percentage points with its interval; `*` when the interval excludes 0."""
+    d, c = _num(d), _ci(ci)
+    if d is None:
+        return "n/a"
+    if c is None:
+        return f"{100 * d:+.1f} pts"
+    star = " *" if c[0] > 0 or c[1] < 0 else ""
+    return f"{100 * d:+.1f} pts [{100 * c[0]:+.1f}, {100 * c[1]:+.1f}]{star}"
