@@ -12,7 +12,9 @@ import ml_collections
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.model = preset  # tiny | qwen25vl_3b | qwen25vl_7b (ignored when init_from is set)
+    # toy | tiny | qwen25vl_3b | qwen25vl_7b (ignored when init_from is set). `toy` without init_from or
+    # processor_dir: the toy world's layout with a byte-level BPE trained on the run's own texts.
+    c.model = preset
     c.init_from = ""  # HF or converted checkpoint directory; "" = random init (tiny)
     c.processor_dir = ""  # tokenizer/preprocessor files when init_from is empty
     c.dtype = "bfloat16"  # compute dtype; master weights stay in param_dtype
@@ -57,6 +59,10 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.peak_tflops_per_device = 989.0  # H100/H200 bf16 dense; set for your hardware (MFU)
 
     if preset == "tiny":
+        # The toy layout (~1k-row vocabulary trained on the data) rather than ModelConfig.tiny's 152k
+        # Qwen rows, which made each step, checkpoint and export ~10x dearer; --config.model=tiny
+        # keeps the real Qwen tokenizer.
+        c.model = "toy"
         c.dtype = "float32"
         c.remat = "none"
         c.batch_size, c.grad_accum, c.total_steps = 8, 1, 20

