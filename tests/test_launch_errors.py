@@ -20,6 +20,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from launch_env import launcher_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_ARGS = ["--config=configs/sft.py:tiny", "--config.total_steps=1", "--config.checkpoint.every_steps=1",
@@ -88,8 +89,7 @@ CASES = [
 
 
 def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "CODEDANCE_VERBOSE")}
-    env.update(PYTHONPATH=REPO, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", **extra)
+    env = launcher_env(drop=("CODEDANCE_VERBOSE",), JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", **extra)
     env.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/jax_cache")
     return env
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from eval_fixtures import write_tsv
+from launch_env import launcher_env
 from test_launch_eval import ROOT, tiny_checkpoint  # noqa: F401 - the fixture is used by name
 
 ARGS = ["--config=configs/eval.py:HRBench4K", "--config.dtype=float32", "--config.batch_size=4",
@@ -19,8 +20,7 @@ ARGS = ["--config=configs/eval.py:HRBench4K", "--config.dtype=float32", "--confi
 
 
 def _env():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # --cpu_devices decides
+    env = launcher_env()
     env.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/jax_cache")
     return env
 

@@ -17,14 +17,18 @@ import sys
 import time
 
 import numpy as np
+from launch_env import launcher_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# The tiny preset shrunk: 8 prompts in the world, 4 prompts x 4 rollouts a step, 2 short turns. The
+# The tiny preset shrunk: 8 prompts in the world, 4 prompts x 4 rollouts a step, 2 short turns, one bucket each. The
 # random-init policy never answers, so A_seq is 0; R_BAT's release preset turns a failed tool turn into
 # a raw turn advantage (turn_norm="raw_if_constant"), which gives the update a non-zero loss.
 ARGS = ["--config=configs/grpo.py:tiny", "--config.rbat.preset=release", "--config.total_steps=2", "--config.checkpoint.every_steps=1",
         "--config.eval.every=0", "--config.data.toy_sizes=0,8,1", "--config.rollout.max_turns=2",
-        "--config.rollout.max_new_tokens=48", "--config.rollout.max_turn_tokens=24"]
+        "--config.rollout.max_new_tokens=48", "--config.rollout.max_turn_tokens=24",
+        # One bucket of each kind (prompt, observation, update batch): each bucket is one more compile of
+        # its function in each of the three processes, and one of each exercises the same code.
+        "--config.rollout.prompt_buckets=(256,)", "--config.rollout.obs_buckets=(128,)", "--config.buckets=((512,160,40),)"]
 # Compared per step; exact for what comes from the (identical) trajectories, rtol for the update.
 EXACT = ("accuracy", "format_ok", "groups_mixed", "a_seq_abs", "a_turn_abs", "reward/r_acc", "reward/r_format",
          "reward/r_seq", "reward/total", "train/n_tokens")
@@ -33,9 +37,7 @@ RTOL = 1e-4
 
 
 def _env():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the launcher's --cpu_devices decides
-    env["PYTHONPATH"] = REPO
+    env = launcher_env()
     env.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/jax_cache")
     return env
 

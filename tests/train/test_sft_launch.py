@@ -9,6 +9,7 @@ import sys
 import time
 
 import numpy as np
+from launch_env import launcher_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARGS = ["--config=configs/sft.py:tiny", "--config.total_steps=8", "--config.checkpoint.every_steps=4",
@@ -16,10 +17,7 @@ ARGS = ["--config=configs/sft.py:tiny", "--config.total_steps=8", "--config.chec
 
 
 def _env():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the launcher's --cpu_devices decides
-    env["PYTHONPATH"] = REPO
-    return env
+    return launcher_env()
 
 
 def _cmd(workdir, *extra):
