@@ -38,6 +38,8 @@ _close, _write, _open = os.close, os.write, os.open
 
 def holder_main(sock, cfg: dict, landlock_rules: list | None, landlock_abi: int) -> None:
     """First holder of a session; never returns."""
+    isolation.set_process_name("sbx-holder")
+    isolation.set_process_name("sbx-holder")
     devnull = _open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         _dup2(devnull, fd)
@@ -134,6 +136,7 @@ def _streams():
 
 def _run_cell(msg, namespace, cfg, res_w, out_w, err_w) -> bool:
     me = _getpid()
+    isolation.set_process_name("sbx-cell")
     _dup2(out_w, 1)
     _dup2(err_w, 2)
     _close(out_w)
@@ -209,6 +212,7 @@ def _run_cell(msg, namespace, cfg, res_w, out_w, err_w) -> bool:
     # next cells never walks (and so copies on write) the pages of everything kept so far.
     gc.collect()
     gc.freeze()
+    isolation.set_process_name("sbx-holder")
     return True
 
 
