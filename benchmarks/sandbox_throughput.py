@@ -250,7 +250,7 @@ def floor_worker(n: int) -> None:
     """Runs in a fresh interpreter set up like the zygote; prints the floors as JSON."""
     import gc
 
-    from sandbox import figures, isolation, zygote
+    from sandbox import cell, figures, isolation, zygote
 
     zygote._warm_up()
     figures.install(8, 4_000_000)
@@ -277,7 +277,7 @@ def floor_worker(n: int) -> None:
     def forks(reps: int) -> float:
         t0 = os.times()
         for _ in range(reps):
-            pid = os.fork()
+            pid = cell._fork()  # as the holder forks each cell
             if pid == 0:
                 os._exit(0)
             os.waitpid(pid, 0)

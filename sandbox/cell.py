@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import builtins
+import ctypes
 import gc
 import io
 import linecache
@@ -32,8 +33,39 @@ WORKDIR = "/tmp/work"  # inside the session's private tmpfs; the cwd of every ce
 
 # Own references, taken before any user code runs, so that `os.fork = None` in a cell breaks
 # nothing here. (User code can still reach these through gc; that only harms its own session.)
-_fork, _exit, _getpid, _waitpid, _dup2 = os.fork, os._exit, os.getpid, os.waitpid, os.dup2
+_exit, _getpid, _waitpid, _dup2 = os._exit, os.getpid, os.waitpid, os.dup2
 _close, _write, _open = os.close, os.write, os.open
+# The holder forks each cell with fork(2) itself, not os.fork(): CPython's after-fork work in the
+# child (lock re-initialisation for threads that do not exist here: a successful cell must end
+# its threads, so the holder is single-threaded when it forks) and the handlers libraries
+# register with os.register_at_fork cost ~1 ms and ~200 page copies per cell, and those
+# handlers are for two processes that both go on, while of holder and cell only one ever runs:
+# `random` reseeded itself in every cell (so random.seed() in one cell did not carry over to
+# the next, unlike every other piece of state), matplotlib dropped its fonts. PyDLL keeps the
+# GIL held through the call, so both processes come back holding it, as after os.fork().
+_libc = ctypes.PyDLL(None, use_errno=True)
+_raw_fork = _libc.fork
+_raw_fork.restype, _raw_fork.argtypes = ctypes.c_int, []
+
+
+def _fork() -> int:
+    pid = _raw_fork()
+    if pid < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+    return pid
+
+
+def _after_fork_in_cell() -> None:
+    """What of the skipped after-fork handlers matters here: matplotlib's cached fonts read their
+    files through descriptors the cell shares with the holder (one file offset), so a failed cell
+    would leave the holder's font streams at a moved offset; the cell opens its own, as before."""
+    fm = sys.modules.get("matplotlib.font_manager")
+    if fm is not None:
+        try:
+            fm._get_font.cache_clear()
+        except Exception:  # noqa: BLE001 - user code may have replaced it: its own session
+            pass
 
 
 def holder_main(sock, cfg: dict, landlock_rules: list | None, landlock_abi: int) -> None:
@@ -109,8 +141,14 @@ def _holder_loop(sock, namespace: dict, cfg: dict) -> None:
                 _close(fd)
             continue
         res_w, out_w, err_w = fds
-        pid = _fork()
+        try:
+            pid = _fork()
+        except OSError:
+            for fd in fds:
+                _close(fd)  # the supervisor sees the result pipe close without a result
+            continue
         if pid == 0:
+            _after_fork_in_cell()
             if _run_cell(msg, namespace, cfg, res_w, out_w, err_w):
                 continue  # this process is now the holder
             _exit(0)
