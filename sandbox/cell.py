@@ -39,21 +39,27 @@ _close, _write, _open = os.close, os.write, os.open
 # child (lock re-initialisation for threads that do not exist here: a successful cell must end
 # its threads, so the holder is single-threaded when it forks) and the handlers libraries
 # register with os.register_at_fork cost ~1 ms and ~200 page copies per cell, and those
-# handlers are for two processes that both go on, while of holder and cell only one ever runs:
-# `random` reseeded itself in every cell (so random.seed() in one cell did not carry over to
-# the next, unlike every other piece of state), matplotlib dropped its fonts. PyDLL keeps the
-# GIL held through the call, so both processes come back holding it, as after os.fork().
+# handlers are for two processes that both go on, while of holder and cell only one ever runs
+# (and they changed what a cell sees: `random` reseeded itself in every cell, so random.seed()
+# in one cell did not carry over to the next, unlike every other piece of state). The one that
+# matters here runs explicitly (_after_fork_in_cell). PyDLL keeps the GIL held through the call,
+# so both processes come back holding it, as after os.fork().
 _libc = ctypes.PyDLL(None, use_errno=True)
 _raw_fork = _libc.fork
 _raw_fork.restype, _raw_fork.argtypes = ctypes.c_int, []
 
 
 def _fork() -> int:
+    if _single_threaded is False:
+        return os.fork()  # (never seen) a first holder with threads: CPython must tidy up after them
     pid = _raw_fork()
     if pid < 0:
         e = ctypes.get_errno()
         raise OSError(e, os.strerror(e))
     return pid
+
+
+_single_threaded: bool | None = None  # of the first holder; later holders are checked per cell
 
 
 def _after_fork_in_cell() -> None:
@@ -108,6 +114,8 @@ def holder_main(sock, cfg: dict, landlock_rules: list | None, landlock_abi: int)
             _signals[sig] = signal.getsignal(sig)
         except (ValueError, OSError):
             pass
+    global _single_threaded
+    _single_threaded = len(os.listdir("/proc/self/task")) == 1
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     _holder_loop(sock, namespace, cfg)
 
@@ -141,12 +149,7 @@ def _holder_loop(sock, namespace: dict, cfg: dict) -> None:
                 _close(fd)
             continue
         res_w, out_w, err_w = fds
-        try:
-            pid = _fork()
-        except OSError:
-            for fd in fds:
-                _close(fd)  # the supervisor sees the result pipe close without a result
-            continue
+        pid = _fork()  # raises when it cannot: the holder dies and the session is reported lost
         if pid == 0:
             _after_fork_in_cell()
             if _run_cell(msg, namespace, cfg, res_w, out_w, err_w):
