@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import builtins
 import ctypes
+import fcntl
 import gc
 import io
 import linecache
@@ -22,6 +23,7 @@ import os
 import random
 import resource
 import signal
+import stat
 import sys
 import threading
 import time
@@ -42,7 +44,8 @@ _close, _write, _open = os.close, os.write, os.open
 # handlers are for two processes that both go on, while of holder and cell only one ever runs
 # (and they changed what a cell sees: `random` reseeded itself in every cell, so random.seed()
 # in one cell did not carry over to the next, unlike every other piece of state). The one that
-# matters here runs explicitly (_after_fork_in_cell). PyDLL keeps the GIL held through the call,
+# matters here, matplotlib's (fonts read through a file offset the cell shares with the holder),
+# is covered at its root by _after_fork_in_cell. PyDLL keeps the GIL held through the call,
 # so both processes come back holding it, as after os.fork().
 _libc = ctypes.PyDLL(None, use_errno=True)
 _raw_fork = _libc.fork
@@ -62,16 +65,45 @@ def _fork() -> int:
 _single_threaded: bool | None = None  # of the first holder; later holders are checked per cell
 
 
+# Status flags a reopened description keeps (open(2) drops O_CREAT, O_EXCL, O_TRUNC, O_NOCTTY).
+_KEEP_FLAGS = (os.O_ACCMODE | os.O_APPEND | os.O_NONBLOCK | os.O_DSYNC | os.O_SYNC
+               | getattr(os, "O_DIRECT", 0) | getattr(os, "O_NOATIME", 0))
+
+
 def _after_fork_in_cell() -> None:
-    """What of the skipped after-fork handlers matters here: matplotlib's cached fonts read their
-    files through descriptors the cell shares with the holder (one file offset), so a failed cell
-    would leave the holder's font streams at a moved offset; the cell opens its own, as before."""
-    fm = sys.modules.get("matplotlib.font_manager")
-    if fm is not None:
+    """Every regular file the holder has open gets a description of its own in the cell (same
+    file, flags and offset, reopened through /proc/self/fd): a failed cell's reads, writes and
+    seeks then move only its own offsets, never the holder's. That covers file objects the
+    namespace keeps across cells and the font files matplotlib keeps open in its font cache
+    (whose at-fork handler used to drop the cache in every cell for this reason). A file that
+    can no longer be opened so (its mode changed since) stays shared, as before."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for name in names:
+        fd = int(name)
         try:
-            fm._get_font.cache_clear()
-        except Exception:  # noqa: BLE001 - user code may have replaced it: its own session
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                continue  # pipes, sockets, devices: nothing to reopen
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            if flags & os.O_PATH:
+                continue  # a reopened O_PATH descriptor would be readable
+            inheritable = not fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+            pos = os.lseek(fd, 0, os.SEEK_CUR)
+            new = os.open(f"/proc/self/fd/{fd}", (flags & _KEEP_FLAGS) | os.O_CLOEXEC)
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor) or not permitted
+        try:
+            nst = os.fstat(new)
+            if (nst.st_dev, nst.st_ino) == (st.st_dev, st.st_ino):
+                os.lseek(new, pos, os.SEEK_SET)
+                os.dup2(new, fd, inheritable=inheritable)
+        except OSError:
             pass
+        finally:
+            os.close(new)
 
 
 def holder_main(sock, cfg: dict, landlock_rules: list | None, landlock_abi: int) -> None:
@@ -151,7 +183,10 @@ def _holder_loop(sock, namespace: dict, cfg: dict) -> None:
         res_w, out_w, err_w = fds
         pid = _fork()  # raises when it cannot: the holder dies and the session is reported lost
         if pid == 0:
-            _after_fork_in_cell()
+            try:
+                _after_fork_in_cell()
+            except Exception:  # noqa: BLE001 - a cell that broke `os` broke its own session only
+                pass
             if _run_cell(msg, namespace, cfg, res_w, out_w, err_w):
                 continue  # this process is now the holder
             _exit(0)
