@@ -10,6 +10,12 @@ fewer sessions (its rate, not its total, is compared). Prints a table and writes
 benchmarks/results/sandbox_throughput.json. Targets on 2 cores: >= 300 trivial cells/s, >= 25
 realistic cells/s, session start <= 50 ms, >= 50x the baseline on the 6-cell workload.
 
+Floors, measured in the same run (--no-floors skips them): the cell's own work (the same code
+exec'd again and again in one warm interpreter with the sandbox's figure capture, no fork and no
+isolation) and one fork + exit of a process holding what the zygote imports (the least a
+fork-per-cell sandbox pays per cell), each as CPU ms per cell and the cells/s that allows on all
+CPUs. Neither can be beaten by the sandbox; they say what bounds the targets on a machine.
+
 The machine may be shared: the load average before and after, and the CPU time each workload
 used (a cpuacct cgroup around this process and its children, where the kernel has one) are
 recorded too; CPU ms per cell depends much less on other users than cells/s does. --quick and
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import io
 import json
 import os
@@ -236,6 +243,68 @@ def baseline_memory_mb(image) -> float:
     return max(after, before) / 1024
 
 
+FLOOR_CODES = {"trivial": TRIVIAL, "realistic": REALISTIC}
+
+
+def floor_worker(n: int) -> None:
+    """Runs in a fresh interpreter set up like the zygote; prints the floors as JSON."""
+    import gc
+
+    from sandbox import cell, figures, isolation, zygote
+
+    zygote._warm_up()
+    figures.install(8, 4_000_000)
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        os.chdir(d)
+        with open("image.png", "wb") as f:
+            f.write(make_image())
+        for key, code in FLOOR_CODES.items():
+            reps = n if key == "trivial" else max(n // 20, 5)
+            cpu = []
+            for i in range(reps + 2):
+                t = time.process_time()
+                before = figures.scan_images(d)
+                with contextlib.redirect_stdout(io.StringIO()):
+                    exec(compile(code, "<cell>", "exec"), {"__name__": "__main__"})
+                images, _ = figures.collect(d, before)
+                if i >= 2:  # the first runs pay one-time costs (as the first cell of a session)
+                    cpu.append(time.process_time() - t)
+            out[f"{key}_cell_cpu_ms"] = float(np.mean(cpu)) * 1e3
+    gc.collect()
+    gc.freeze()
+
+    def forks(reps: int) -> float:
+        t0 = os.times()
+        for _ in range(reps):
+            pid = cell._fork()  # as the holder forks each cell
+            if pid == 0:
+                os._exit(0)
+            os.waitpid(pid, 0)
+        t1 = os.times()
+        return (sum(t1[:4]) - sum(t0[:4])) / reps * 1e3
+
+    out["fork_exit_cpu_ms_4k_pages"] = forks(n)
+    out["collapsed_mb"] = isolation.collapse_anonymous_memory() / 2**20
+    out["fork_exit_cpu_ms"] = forks(n)
+    print(json.dumps(out))
+
+
+def floors(n: int) -> dict:
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "MPLBACKEND": "Agg", "LANG": "C.UTF-8",
+           "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "HOME": os.environ.get("HOME", "/root"),
+           "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--floor-worker", str(n)],
+                       capture_output=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stderr.decode()[-2000:]
+    r = json.loads(p.stdout.decode().strip().splitlines()[-1])
+    cpus = os.cpu_count() or 1
+    for key in ("trivial_cell_cpu_ms", "realistic_cell_cpu_ms", "fork_exit_cpu_ms"):
+        r[key.replace("cpu_ms", "max_cells_per_s")] = cpus * 1e3 / r[key]
+    return r
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=2 * (os.cpu_count() or 2))
@@ -246,10 +315,14 @@ def main() -> None:
     ap.add_argument("--only", action="append", choices=("trivial", "realistic", "6cell"),
                     help="run only this workload (repeatable)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the subprocess baseline")
+    ap.add_argument("--no-floors", action="store_true", help="skip the in-process and fork floors")
+    ap.add_argument("--floor-worker", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None,
                     help="JSON output (default benchmarks/results/sandbox_throughput.json for a "
                          "full run, none for --quick/--only)")
     args = ap.parse_args()
+    if args.floor_worker:
+        return floor_worker(args.floor_worker)
     partial = args.quick or bool(args.only)
     if args.out is None and not partial:
         args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
@@ -286,6 +359,8 @@ def main() -> None:
                 res["baseline_6cell"] = measured(meter, baseline, image, SIX_CELLS,
                                                  max(args.baseline_sessions // q, 2), w)
                 res["baseline_session_memory_mb"] = baseline_memory_mb(image)
+        if not args.no_floors:
+            res["floors"] = floors(200 // q)
     finally:
         meter.close()
     res["loadavg_end"] = loadavg()
@@ -313,6 +388,15 @@ def main() -> None:
                   f"{r['p95_ms']:>10.1f}{cpu_s}   {note}")
         if f"ratio_{key}" in res:
             print(f"{'  ratio':<22}{res['ratio_' + key]:>10.1f}x")
+    if "floors" in res:
+        f = res["floors"]
+        print(f"floors (CPU ms per cell -> cells/s on {res['cpus']} CPUs): the cell's own work in one "
+              f"warm interpreter: trivial {f['trivial_cell_cpu_ms']:.2f} -> "
+              f"{f['trivial_cell_max_cells_per_s']:.0f}, realistic {f['realistic_cell_cpu_ms']:.1f} -> "
+              f"{f['realistic_cell_max_cells_per_s']:.1f}; one fork + exit of a zygote-sized process "
+              f"{f['fork_exit_cpu_ms']:.2f} -> {f['fork_exit_max_cells_per_s']:.0f} "
+              f"({f['fork_exit_cpu_ms_4k_pages']:.2f} ms before {f['collapsed_mb']:.0f} MB were "
+              "collapsed into 2 MB pages)")
     if "ours_6cell" in res:
         print(f"per-session memory: ours {res['ours_6cell']['session_memory_mb_median']} MB "
               f"(cgroup, median), baseline {res.get('baseline_session_memory_mb', float('nan')):.0f}"

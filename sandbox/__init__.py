@@ -14,7 +14,10 @@ is discarded, so the namespace rolls back for free. Files roll back from a mirro
 kills leftovers. Layout: pool.py (trainer side), zygote.py, supervisor.py (session set-up and cell
 control), rootfs.py (the session's filesystem), seccomp.py (the syscall filter), cell.py (holder
 and cell, untrusted), owner.py (`PoolThread`: a pool in its own long-lived thread), figures.py (image capture, disabled GUI/console calls), workdir.py,
-isolation.py, wire.py.
+isolation.py, wire.py. Speed: a cell costs a fork and an exit of its holder (tens of MB of page
+tables' worth of imported libraries), so the zygote moves its memory to 2 MB pages once after the
+warm-up and holders fork cells with fork(2) itself; processes are named sbx-zygote, sbx-anchor,
+sbx-supervisor, sbx-holder and sbx-cell (ps, top, perf).
 
 Protected against, and by what (several layers per threat where the kernel allows):
 - kernel attack surface a cell has no use for: a seccomp filter on the holder and every cell
@@ -55,10 +58,15 @@ Protected against, and by what (several layers per threat where the kernel allow
 - state a cell leaves behind: a successful cell must end its threads (non-daemon ones are joined,
   any other thread fails the cell); timers, signal handlers and the signal mask are reset before
   it becomes the holder; every cell gets fresh sys.stdout/stderr/stdin; all RNGs (random, numpy,
-  cv2) are reseeded per session.
+  cv2) are reseeded per session, and within a session their state carries over between cells and
+  rolls back with a failed one, like any other state (cells are forked with fork(2) itself, without
+  CPython's at-fork handlers, one of which reseeded `random` in every cell).
 - its own files: the snapshot walks by directory descriptor (no PATH_MAX limit), copes with any
   mode a cell sets on its directories, keeps hard links and holes, and restores files in place
-  (same inode), so held file objects and MAP_SHARED mappings see the rolled-back contents.
+  (same inode), so held file objects and MAP_SHARED mappings see the rolled-back contents; each
+  cell gets its own open file description (same flags and offset) for every regular file the
+  holder has open, so a failed cell's reads, writes and seeks leave the holder's offsets as they
+  were.
 - leftovers: after every cell all processes of the session but the holder are killed; closing a
   session, or dropping it without close() (the pool holds sessions weakly), makes its anchor kill
   its pid-namespace init, which makes the kernel kill the rest; the zygote dies when the trainer
@@ -72,8 +80,9 @@ NOT protected against / limits:
   corrupt its interpreter through gc); that session then answers "crashed"/"timeout" or "session
   lost", others are unaffected.
 - a file the failed cell deleted or replaced comes back as a new inode (a held object keeps the
-  old one); file offsets shared between the holder and a failed cell are not rolled back; xattrs
-  and /dev/shm are not rolled back.
+  old one); xattrs and /dev/shm are not rolled back. File offsets are the cell's own (each cell
+  reopens the holder's regular files, see below) except for a file whose mode no longer lets it be
+  opened so, and for pipes and sockets; flock() locks stay with the holder's descriptions.
 - the pid, mount, ipc and uts namespaces are required (the pool refuses to start without them);
   missing net namespaces, Landlock, seccomp (only x86-64 has a syscall table) or cgroups are
   reported once at start-up and skipped.

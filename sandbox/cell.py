@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import base64
 import builtins
+import ctypes
+import fcntl
 import gc
 import io
 import linecache
@@ -21,6 +23,7 @@ import os
 import random
 import resource
 import signal
+import stat
 import sys
 import threading
 import time
@@ -32,12 +35,81 @@ WORKDIR = "/tmp/work"  # inside the session's private tmpfs; the cwd of every ce
 
 # Own references, taken before any user code runs, so that `os.fork = None` in a cell breaks
 # nothing here. (User code can still reach these through gc; that only harms its own session.)
-_fork, _exit, _getpid, _waitpid, _dup2 = os.fork, os._exit, os.getpid, os.waitpid, os.dup2
+_exit, _getpid, _waitpid, _dup2 = os._exit, os.getpid, os.waitpid, os.dup2
 _close, _write, _open = os.close, os.write, os.open
+# The holder forks each cell with fork(2) itself, not os.fork(): CPython's after-fork work in the
+# child (lock re-initialisation for threads that do not exist here: a successful cell must end
+# its threads, so the holder is single-threaded when it forks) and the handlers libraries
+# register with os.register_at_fork cost ~1 ms and ~200 page copies per cell, and those
+# handlers are for two processes that both go on, while of holder and cell only one ever runs
+# (and they changed what a cell sees: `random` reseeded itself in every cell, so random.seed()
+# in one cell did not carry over to the next, unlike every other piece of state). The one that
+# matters here, matplotlib's (fonts read through a file offset the cell shares with the holder),
+# is covered at its root by _after_fork_in_cell. PyDLL keeps the GIL held through the call,
+# so both processes come back holding it, as after os.fork().
+_libc = ctypes.PyDLL(None, use_errno=True)
+_raw_fork = _libc.fork
+_raw_fork.restype, _raw_fork.argtypes = ctypes.c_int, []
+
+
+def _fork() -> int:
+    if _single_threaded is False:
+        return os.fork()  # (never seen) a first holder with threads: CPython must tidy up after them
+    pid = _raw_fork()
+    if pid < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+    return pid
+
+
+_single_threaded: bool | None = None  # of the first holder; later holders are checked per cell
+
+
+# Status flags a reopened description keeps (open(2) drops O_CREAT, O_EXCL, O_TRUNC, O_NOCTTY).
+_KEEP_FLAGS = (os.O_ACCMODE | os.O_APPEND | os.O_NONBLOCK | os.O_DSYNC | os.O_SYNC
+               | getattr(os, "O_DIRECT", 0) | getattr(os, "O_NOATIME", 0))
+
+
+def _after_fork_in_cell() -> None:
+    """Every regular file the holder has open gets a description of its own in the cell (same
+    file, flags and offset, reopened through /proc/self/fd): a failed cell's reads, writes and
+    seeks then move only its own offsets, never the holder's. That covers file objects the
+    namespace keeps across cells and the font files matplotlib keeps open in its font cache
+    (whose at-fork handler used to drop the cache in every cell for this reason). A file that
+    can no longer be opened so (its mode changed since) stays shared, as before."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for name in names:
+        fd = int(name)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                continue  # pipes, sockets, devices: nothing to reopen
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            if flags & os.O_PATH:
+                continue  # a reopened O_PATH descriptor would be readable
+            inheritable = not fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+            pos = os.lseek(fd, 0, os.SEEK_CUR)
+            new = os.open(f"/proc/self/fd/{fd}", (flags & _KEEP_FLAGS) | os.O_CLOEXEC)
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor) or not permitted
+        try:
+            nst = os.fstat(new)
+            if (nst.st_dev, nst.st_ino) == (st.st_dev, st.st_ino):
+                os.lseek(new, pos, os.SEEK_SET)
+                os.dup2(new, fd, inheritable=inheritable)
+        except OSError:
+            pass
+        finally:
+            os.close(new)
 
 
 def holder_main(sock, cfg: dict, landlock_rules: list | None, landlock_abi: int) -> None:
     """First holder of a session; never returns."""
+    isolation.set_process_name("sbx-holder")
+    isolation.set_process_name("sbx-holder")
     devnull = _open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         _dup2(devnull, fd)
@@ -74,6 +146,8 @@ def holder_main(sock, cfg: dict, landlock_rules: list | None, landlock_abi: int)
             _signals[sig] = signal.getsignal(sig)
         except (ValueError, OSError):
             pass
+    global _single_threaded
+    _single_threaded = len(os.listdir("/proc/self/task")) == 1
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     _holder_loop(sock, namespace, cfg)
 
@@ -107,8 +181,12 @@ def _holder_loop(sock, namespace: dict, cfg: dict) -> None:
                 _close(fd)
             continue
         res_w, out_w, err_w = fds
-        pid = _fork()
+        pid = _fork()  # raises when it cannot: the holder dies and the session is reported lost
         if pid == 0:
+            try:
+                _after_fork_in_cell()
+            except Exception:  # noqa: BLE001 - a cell that broke `os` broke its own session only
+                pass
             if _run_cell(msg, namespace, cfg, res_w, out_w, err_w):
                 continue  # this process is now the holder
             _exit(0)
@@ -134,6 +212,7 @@ def _streams():
 
 def _run_cell(msg, namespace, cfg, res_w, out_w, err_w) -> bool:
     me = _getpid()
+    isolation.set_process_name("sbx-cell")
     _dup2(out_w, 1)
     _dup2(err_w, 2)
     _close(out_w)
@@ -209,6 +288,7 @@ def _run_cell(msg, namespace, cfg, res_w, out_w, err_w) -> bool:
     # next cells never walks (and so copies on write) the pages of everything kept so far.
     gc.collect()
     gc.freeze()
+    isolation.set_process_name("sbx-holder")
     return True
 
 

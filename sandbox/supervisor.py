@@ -42,6 +42,7 @@ def anchor_main(sess_fd: int, life_fd: int, spec: dict) -> None:
     supervisor is pid 1 of the session's pid namespace, and the kernel reaps it only after every
     other process in that namespace is gone."""
     isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
+    isolation.set_process_name("sbx-anchor")
     flags = (isolation.CLONE_NEWPID | isolation.CLONE_NEWNS | isolation.CLONE_NEWIPC
              | isolation.CLONE_NEWUTS)
     if spec["layers"]["net"]:
@@ -167,6 +168,7 @@ def _landlock_rules(extra_rw: list) -> list:
 
 def _supervisor_main(sess_fd: int, spec: dict) -> None:
     isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
+    isolation.set_process_name("sbx-supervisor")
     sock = socket.socket(fileno=sess_fd)
     uid = spec["uid"]
     cg = _join_cgroups(spec)  # before the new root: it has no /sys/fs/cgroup

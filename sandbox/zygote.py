@@ -85,6 +85,7 @@ def main() -> None:
     from sandbox.supervisor import anchor_main
 
     isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
+    isolation.set_process_name("sbx-zygote")
     try:
         isolation.join_new_session_keyring()  # nothing forked from here possesses the trainer's keys
     except OSError:
@@ -126,6 +127,7 @@ def main() -> None:
     layers["cgroups"] = bases
     gc.collect()
     gc.freeze()  # keeps forked sessions from copying pages just because the GC touched them
+    isolation.collapse_anonymous_memory()  # cheaper forks for every session and cell (see there)
 
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)

@@ -116,6 +116,40 @@ def test_held_files_and_shared_mappings_see_the_rollback(pool):
         assert r.stdout == "original b'original' original\n", r.stderr
 
 
+def test_a_failed_cell_does_not_move_the_holders_file_offsets(pool):
+    data = os.urandom(64)
+    with pool.new_session(files={"data.bin": data}) as s:
+        # Unbuffered, so each read and write is a syscall at the descriptor's own offset.
+        r = s.execute("f = open('data.bin', 'rb', buffering=0)\nhead = f.read(5)\n"
+                      "g = open('out.bin', 'wb', buffering=0)\ng.write(b'12')\n"
+                      "a = open('log.txt', 'ab', buffering=0)\na.write(b'a')")
+        assert r.status == "ok", r.stderr
+        r = s.execute("f.read(20); f.seek(40)\ng.write(b'XXXXXX')\na.write(b'ZZZ')\n"
+                      "raise ValueError")
+        assert r.status == "error"
+        r = s.execute("print(f.read(3).hex(), f.tell())\ng.write(b'34')\na.write(b'b')\n"
+                      "print(open('out.bin', 'rb').read(), open('log.txt', 'rb').read())")
+        assert r.stdout == f"{data[5:8].hex()} 8\nb'1234' b'ab'\n", r.stderr
+        # A successful cell moves them for good.
+        assert s.execute("f.seek(60)").status == "ok"
+        assert s.execute("print(f.read().hex())").stdout == f"{data[60:].hex()}\n"
+
+
+def test_text_renders_the_same_after_a_failed_rendering_cell(pool):
+    # matplotlib keeps its fonts (and their open files) across cells; a failed cell that drew
+    # other glyphs through them must leave them intact for the next.
+    draw = ("import matplotlib.pyplot as plt\nfig = plt.figure(figsize=(3, 1), dpi=60)\n"
+            "fig.text(0.02, 0.4, {!r}, fontsize=11)\nplt.show()")
+    with pool.new_session() as s:
+        first = s.execute(draw.format("Quartz glyph 0123"))
+        assert first.status == "ok" and len(first.images) == 1, first.stderr
+        failed = s.execute(draw.format("jumbled WXYZ wvxyz &%$#@!") + "\nraise ValueError")
+        assert failed.status == "error"
+        again = s.execute(draw.format("Quartz glyph 0123"))
+        assert again.status == "ok", again.stderr
+        assert again.images == first.images
+
+
 def test_oom_scores_put_the_cell_first(pool):
     with pool.new_session() as s:
         r = s.execute("import os\nprint(open('/proc/self/oom_score_adj').read().strip(), "

@@ -2,6 +2,7 @@
 
 import io
 import os
+import random
 import struct
 import time
 
@@ -135,6 +136,24 @@ def test_rngs_are_reseeded_per_session(pool):
         with pool.new_session() as s:
             outs.add(s.execute(code).stdout)
     assert len(outs) == 3
+
+
+def test_rng_state_carries_over_between_cells_and_rolls_back(pool):
+    # Like any other state: random.seed() in one cell decides the next cell's draws (the holder
+    # forks cells without CPython's at-fork handlers, one of which reseeded `random` per cell),
+    # and a failed cell's draws are rolled back with it.
+    seed = int(np.random.default_rng().integers(1 << 30))
+    local, local_np = random.Random(seed), np.random.RandomState(seed)
+    expect = [(local.random(), local_np.rand()) for _ in range(2)]
+    with pool.new_session() as s:
+        assert s.execute(f"import random, numpy as np\nrandom.seed({seed})\n"
+                         f"np.random.seed({seed})").status == "ok"
+        draw = "print(repr(random.random()), repr(np.random.rand()))"
+        r = s.execute(draw)
+        assert r.stdout == f"{expect[0][0]!r} {expect[0][1]!r}\n", r.stderr
+        assert s.execute(draw + "\nraise ValueError").status == "error"
+        r = s.execute(draw)
+        assert r.stdout == f"{expect[1][0]!r} {expect[1][1]!r}\n", r.stderr
 
 
 def test_concurrent_sessions_get_their_own_results(pool):
