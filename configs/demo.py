@@ -32,13 +32,18 @@ def get_config(preset: str = "default") -> ml_collections.ConfigDict:
     c.seed = 0
     seed = c.get_ref("seed")
     # The world's calibration knobs (data/toyworld/world.py; world.json records each and what it
-    # produced): hard_frac = share of hard SFT/RL items; easy_code_rate = share of easy SFT items
-    # solved with code (the cold start's tool over-use that R_BAT should remove); hard_direct_rate
-    # = share of hard SFT items answered by sight without code (accuracy for RL to gain);
-    # error_rate = share of hard SFT items that recover from a failed first cell.
+    # produced): hard_frac = share of hard SFT/RL items; easy_code_rate = share of the easy SFT items
+    # of easy_code_families solved with code (the cold start's tool over-use that R_BAT should
+    # remove; the other families' easy items answer directly); hard_direct_rate = share of hard SFT
+    # items answered by sight without code (accuracy for RL to gain); error_rate = share of hard SFT
+    # items that recover from a failed first cell. The code choice is cued by the family (visible in
+    # the question) at a rate above one half, so that the SFT policy's greedy decoding takes it
+    # too: at 0.3 on every family, drawn per item, greedy decoding used no code on easy items
+    # (WORKSPACE.md, issue 18 calibration).
     c.world = ml_collections.ConfigDict(dict(
         n_sft=24 if mini else 1600, n_rl=16 if mini else 400, n_eval=12 if mini else 120,
-        hard_frac=0.5, easy_code_rate=0.3, hard_direct_rate=0.0, error_rate=0.1, workers=2, max_pixels=168 * 168,
+        hard_frac=0.5, easy_code_families=("count", "bars"), easy_code_rate=0.75, hard_direct_rate=0.1,
+        error_rate=0.1, workers=2, max_pixels=168 * 168,
     ))
     c.world.seed = seed
 

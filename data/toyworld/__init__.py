@@ -22,9 +22,13 @@ enlarge the marker, then look at the crop that comes back as an observation imag
 does best by answering easy items directly and writing code for hard ones.
 
 The SFT data does not show that optimum. With probability `easy_code_rate` (default 0.3) the expert
-also solves an easy item with code (all non-white connected components for `count`, the bar-height
-template for `bars`, crop and enlarge for `find`; bug-free, short think texts), so the SFT model
-behaves like a cold-start policy that over-uses tools. This is what the paper's *adaptive tool
+also solves an easy item of a family in `easy_code_families` (default: all) with code (all
+non-white connected components for `count`, the bar-height template for `bars`, crop and enlarge
+for `find`; bug-free, short think texts), so the SFT model behaves like a cold-start policy that
+over-uses tools. A choice drawn at random for every item is learned as a minority mode that greedy
+decoding never takes; restricting it to some families (visible in the question) at a rate above
+one half makes it the majority mode there, so greedy decoding reproduces it and sampling still
+answers some of those items directly (the demo: count and bars at 0.75). This is what the paper's *adaptive tool
 use* needs: RL with the R_BAT reward should lower the tool-call rate on easy items relative to
 the SFT model while keeping it high on hard ones. A world where easy items never used code would
 leave RL nothing to lower. world.json records the rate and the number of easy SFT items with code.

@@ -8,8 +8,9 @@ expert first writes a buggy variant (a misspelt name or a missing import, `BUGS`
 fails, and then the correct code: a recovered error.
 
 Easy items get a direct answer (`<think>..</think>\\n<answer>X</answer>`, no code), except that with
-probability `easy_code_rate` (drawn from the item's rng) they too are solved with code, like a
-cold-start policy that over-uses tools: `count` runs `EASY_COUNT_CODE` (all non-white connected
+probability `easy_code_rate` (drawn from the item's rng; only for the families in
+`easy_code_families`, all by default, so the choice can be cued by the family) they too are solved
+with code, like a cold-start policy that over-uses tools: `count` runs `EASY_COUNT_CODE` (all non-white connected
 components), `bars` runs `BARS_CODE` and answers the tallest bar's colour, `find` runs `FIND_CODE`
 and answers the crop's colour. Easy code never carries a bug, and its think texts are short and
 differ from the hard ones ("I will check with code."). This gives RL with the R_BAT reward
@@ -235,13 +236,15 @@ def expert_trajectory(
     error_rate: float = 0.15,
     easy_code_rate: float = 0.3,
     hard_direct_rate: float = 0.0,
+    easy_code_families: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
     """One SFT record for `item` (the trajectory JSONL format of `data.trajectory`).
 
     `session_factory(files)` opens a sandbox session (e.g. `pool.new_session`); it is called for
     the hard items that do not draw a direct answer (`rng.random() < hard_direct_rate`, drawn after
     the bug with `error_rate`) and for the easy items that draw code (`rng.random() <
-    easy_code_rate`; only easy items draw it). Returned keys: `id`, `images`
+    easy_code_rate`; only easy items draw it, and only the families in `easy_code_families` (None:
+    all) can use code: the others draw too, so the stream is the same, and answer directly). Returned keys: `id`, `images`
     (relative paths `img/{id}.png`, `img/{id}-obs{k}.png`), `messages`, `meta` (family, difficulty,
     question, answer, `error`: the bug name of a recovered error or None, `cells`: 0 for a direct
     answer) — all JSON-able — plus `image_data` (the PNG bytes of `images`, in order) and `timing`
@@ -265,7 +268,11 @@ def expert_trajectory(
         names = sorted(BUGS[item.family])
         bug = names[int(rng.integers(len(names)))]
     # Hard items draw the direct answer last (after the bug), so rate 0 changes no other draw.
-    direct = not rng.random() < easy_code_rate if easy else rng.random() < hard_direct_rate
+    if easy:
+        cued = easy_code_families is None or item.family in easy_code_families
+        direct = not (rng.random() < easy_code_rate and cued)
+    else:
+        direct = rng.random() < hard_direct_rate
     if direct:
         key = (item.family, "easy" if easy else "sight")
         think = THINK[key].format(answer=item.answer, color=item.meta.get("color"), kind=item.meta.get("kind"))

@@ -19,7 +19,9 @@ The calibration knobs (`configs/demo.py` world fields, all recorded in world.jso
 produced): `hard_frac` (share of hard SFT and RL items), `easy_code_rate` (share of easy SFT items
 the expert solves with code, see `data.toyworld.expert`: the SFT policy over-uses tools a little,
 so that RL with R_BAT has an easy-item tool-call rate to lower; `easy_items_with_code`),
-`hard_direct_rate` (share of hard SFT items answered by sight, without code: room for RL to raise
+`easy_code_families` (the families whose easy items can use code; with a rate above one half the
+code is the majority mode for those questions, so greedy decoding takes it too;
+`easy_items_with_code_by_family`), `hard_direct_rate` (share of hard SFT items answered by sight, without code: room for RL to raise
 accuracy; `hard_items_direct`) and `error_rate` (share of hard SFT items whose first cell fails and
 is fixed; `recovered_errors`).
 """
@@ -132,7 +134,7 @@ def load_prompts(jsonl_path: str | os.PathLike) -> list[dict[str, Any]]:
 
 def run_experts(
     items: list[Item], pool, seed: int, *, error_rate: float, threads: int, easy_code_rate: float = 0.3,
-    hard_direct_rate: float = 0.0,
+    hard_direct_rate: float = 0.0, easy_code_families: tuple[str, ...] | None = None,
 ) -> list[dict[str, Any]]:
     """Expert records of `items`, in order; the cells (hard items, easy items with code) run
     concurrently in `pool`."""
@@ -140,7 +142,7 @@ def run_experts(
     def one(i: int) -> dict[str, Any]:
         rng = np.random.default_rng([seed, SPLIT_CODES["sft"], i, 7])
         return expert_trajectory(items[i], pool.new_session, rng, error_rate=error_rate, easy_code_rate=easy_code_rate,
-                                 hard_direct_rate=hard_direct_rate)
+                                 hard_direct_rate=hard_direct_rate, easy_code_families=easy_code_families)
 
     with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as ex:
         return list(ex.map(one, range(len(items))))
@@ -177,6 +179,7 @@ def generate_world(
     error_rate: float = 0.15,
     easy_code_rate: float = 0.3,
     hard_direct_rate: float = 0.0,
+    easy_code_families: tuple[str, ...] | None = None,
     vocab_size: int = DEFAULT_VOCAB,
     max_pixels: int = DEFAULT_MAX_PIXELS,
 ) -> dict[str, Any]:
@@ -195,7 +198,13 @@ def generate_world(
     eval_items, redraws = make_split("eval", n_eval, seed, hard_frac, exclude=seen)
 
     t_sb = time.monotonic()
-    knobs = dict(error_rate=error_rate, easy_code_rate=easy_code_rate, hard_direct_rate=hard_direct_rate)
+    if easy_code_families is not None:
+        easy_code_families = tuple(easy_code_families)
+        unknown = set(easy_code_families) - set(FAMILIES)
+        if unknown:
+            raise ValueError(f"easy_code_families: unknown families {sorted(unknown)}; expected some of {FAMILIES}")
+    knobs = dict(error_rate=error_rate, easy_code_rate=easy_code_rate, hard_direct_rate=hard_direct_rate,
+                 easy_code_families=easy_code_families)
     if pool is None:
         from sandbox import SandboxPool
 
@@ -249,7 +258,10 @@ def generate_world(
         "sft_tokens_per_trajectory": {k: _stats(v) for k, v in sorted(tokens.items())},
         "recovered_errors": dict(sorted(errors.items())),
         "easy_code_rate": easy_code_rate,
+        "easy_code_families": list(FAMILIES if easy_code_families is None else easy_code_families),
         "easy_items_with_code": sum(1 for r in records if r["meta"]["difficulty"] == "easy" and r["meta"]["cells"] > 0),
+        "easy_items_with_code_by_family": dict(sorted(collections.Counter(
+            r["meta"]["family"] for r in records if r["meta"]["difficulty"] == "easy" and r["meta"]["cells"] > 0).items())),
         "hard_direct_rate": hard_direct_rate,
         "hard_items_direct": sum(1 for r in records if r["meta"]["difficulty"] == "hard" and r["meta"]["cells"] == 0),
         "error_rate": error_rate,

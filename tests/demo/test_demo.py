@@ -44,7 +44,9 @@ def test_demo_mini_writes_the_report(tmp_path):
         assert rates and all(0 <= v <= 1 for v in rates) and r["n"] == 8
     assert (report / "plots" / "grpo_step_rates.png").stat().st_size > 0
     world = json.loads((tmp_path / "world" / "world.json").read_text())
-    assert world["hard_direct_rate"] == 0.0 and world["error_rate"] == 0.1 and world["easy_code_rate"] == 0.3
+    assert world["hard_direct_rate"] == 0.1 and world["error_rate"] == 0.1 and world["easy_code_rate"] == 0.75
+    assert world["easy_code_families"] == ["count", "bars"] and set(world["easy_items_with_code_by_family"]) <= {
+        "count", "bars"}
     rows = [json.loads(x) for x in open(tmp_path / "grpo" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["reward/total"]) for r in rows)
     sft_rows = [json.loads(x) for x in open(tmp_path / "sft" / "metrics.jsonl")]

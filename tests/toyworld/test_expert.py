@@ -184,6 +184,35 @@ def test_easy_code_rate_is_honoured():
     assert all(_uses_code(it, np.random.default_rng([i, 7]), 1.0) for i, it in enumerate(items))
 
 
+def test_easy_code_families_cue_the_choice():
+    """easy_code_families: only those families' easy items can use code (rate easy_code_rate), the
+    others always answer directly; the families in the cue draw exactly as without it."""
+    items = [make_item(FAMILIES[i % 3], "easy", i, f"c{i}") for i in range(90)]
+    rng = np.random.default_rng
+    fams = ("count", "bars")
+
+    def used(rate, families):
+        out = []
+        for i, it in enumerate(items):
+            def factory(files):
+                raise _Opened
+            try:
+                expert_trajectory(it, factory, rng([i, 7]), error_rate=0.0, easy_code_rate=rate,
+                                  easy_code_families=families)
+                out.append(False)
+            except _Opened:
+                out.append(True)
+        return out
+
+    cued, free = used(0.75, fams), used(0.75, None)
+    in_cue = [it.family in fams for it in items]
+    assert not any(u for u, c in zip(cued, in_cue, strict=True) if not c)
+    assert [u for u, c in zip(cued, in_cue, strict=True) if c] == [u for u, c in zip(free, in_cue, strict=True) if c]
+    n = sum(cued)
+    assert 36 <= n <= 54  # Binomial(60, 0.75): mean 45, sd 3.4
+    assert sum(used(1.0, fams)) == 60 and not any(used(0.0, fams)) and sum(used(1.0, ())) == 0
+
+
 def test_hard_direct_rate_is_honoured():
     """hard_direct_rate: hard items answered by sight (right answer, no code, no sandbox); easy items
     untouched; 0 draws no direct answer."""

@@ -48,6 +48,22 @@ def test_files_and_counts(world):
     easy_code = [r for r in rows if r["meta"]["difficulty"] == "easy" and "<code>" in r["messages"][1]["content"]]
     assert info["easy_items_with_code"] == len(easy_code) >= 1
     assert all(r["meta"]["cells"] == 1 and r["meta"]["error"] is None for r in easy_code)
+    assert info["easy_code_families"] == ["count", "bars", "find"]  # the default: every family
+    by_family = {}
+    for r in easy_code:
+        by_family[r["meta"]["family"]] = by_family.get(r["meta"]["family"], 0) + 1
+    assert info["easy_items_with_code_by_family"] == dict(sorted(by_family.items()))
+
+
+def test_easy_code_families_in_world(pool, tmp_path):
+    """A cue: only `count` easy items use code, and world.json says so; an unknown family is refused."""
+    info = generate_world(tmp_path / "w", pool=pool, hard_frac=0.0, error_rate=0.0, easy_code_rate=1.0,
+                          easy_code_families=("count",), vocab_size=400, **dict(TINY, n_rl=3, n_eval=6))
+    assert info["easy_code_families"] == ["count"]
+    assert info["easy_items_with_code_by_family"] == {"count": info["splits"]["sft"]["counts"]["count/easy"]}
+    assert info["easy_items_with_code"] == info["splits"]["sft"]["counts"]["count/easy"] > 0
+    with pytest.raises(ValueError, match="unknown families"):
+        generate_world(tmp_path / "x", pool=pool, easy_code_families=("counting",), **TINY)
 
 
 @pytest.mark.parametrize("split", ["rl", "eval"])
