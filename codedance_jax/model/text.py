@@ -16,7 +16,7 @@ from flax import nnx
 from codedance_jax import sharding as shd
 from codedance_jax.model import rope
 from codedance_jax.model.config import TextConfig
-from codedance_jax.model.layers import RMSNorm, SwiGLU, param
+from codedance_jax.model.layers import RMSNorm, SwiGLU, matmul, param
 
 NEG_INF = -1e30
 
@@ -37,9 +37,9 @@ class Attention(nnx.Module):
     def __call__(self, x_btd, cos_bth, sin_bth, mask_bts, kv_cache=None, index=None):
         """Returns (out [B, T, D], (k, v)); with kv_cache=(k [B,S,K,H], v) the chunk is written at `index`."""
         dt = x_btd.dtype
-        q = jnp.einsum("btd,dnh->btnh", x_btd, shd.gather_param(self.q_kernel, dt)) + shd.gather_param(self.q_bias, dt)
-        k = jnp.einsum("btd,dkh->btkh", x_btd, shd.gather_param(self.k_kernel, dt)) + shd.gather_param(self.k_bias, dt)
-        v = jnp.einsum("btd,dkh->btkh", x_btd, shd.gather_param(self.v_kernel, dt)) + shd.gather_param(self.v_bias, dt)
+        q = matmul(x_btd, shd.gather_param(self.q_kernel, dt)) + shd.gather_param(self.q_bias, dt)  # [B, T, N, H]
+        k = matmul(x_btd, shd.gather_param(self.k_kernel, dt)) + shd.gather_param(self.k_bias, dt)
+        v = matmul(x_btd, shd.gather_param(self.v_kernel, dt)) + shd.gather_param(self.v_bias, dt)
         cos, sin = cos_bth[:, :, None], sin_bth[:, :, None]
         q, k = rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin)
         if kv_cache is not None:
@@ -52,7 +52,7 @@ class Attention(nnx.Module):
         logits = jnp.where(mask_bts[:, None, None], logits, NEG_INF)
         probs = jax.nn.softmax(logits, axis=-1).astype(dt)
         o = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(dt)).reshape(b, t, n, h)
-        return jnp.einsum("btnh,nhd->btd", o, shd.gather_param(self.o_kernel, dt)), (k, v)
+        return matmul(o, shd.gather_param(self.o_kernel, dt), n_in=2), (k, v)
 
 
 class DecoderLayer(nnx.Module):
