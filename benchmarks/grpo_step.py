@@ -293,6 +293,10 @@ def main():
     if args.case in ("demo", "both"):
         res["demo"] = demo_case(args)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    if os.path.exists(args.out):  # keep the other case's last figures when one case runs
+        with open(args.out) as f:
+            prev = json.load(f)
+        res = {**{k: v for k, v in prev.items() if k not in res}, **res}
     with open(args.out, "w") as f:
         json.dump(res, f, indent=2, default=str)
     print(f"\nwrote {args.out}")
