@@ -109,8 +109,9 @@ def test_old_logprobs_from_the_update_forward_equal_a_separate_recompute(accum):
         b["a_turn"] = np.random.default_rng(8).standard_normal((8, M)).astype(np.float32)
         old = np.asarray(grpo.make_logprob_fn(mdef, sh.params, sft.batch_shardings(b, mesh), mesh)(state.params, b))
         mask = b["loss_mask"] > 0
-        noise = np.random.default_rng(9).uniform(-1e-3, 1e-3, old.shape).astype(np.float32)
-        # recompute: the batch holds the trainer's log-probs; from the forward: the "sampler's", off by noise
+        # recompute: the batch holds the trainer's log-probs; from the forward: the "sampler's", off by
+        # up to 0.5 (ratios that far from 1 would be clipped: a step that used them would differ)
+        noise = np.random.default_rng(9).uniform(-0.5, 0.5, old.shape).astype(np.float32)
         b["old_logprobs"] = ((old + noise * from_forward) * b["loss_mask"]).astype(np.float32)
         bsh = sft.batch_shardings(b, mesh)
         step = grpo.make_grpo_step(mdef, tx, sched, GRPOLossConfig(), sh, bsh, mesh, accum_steps=accum,
@@ -119,11 +120,11 @@ def test_old_logprobs_from_the_update_forward_equal_a_separate_recompute(accum):
         m = jax.device_get(m)
         results.append((jax.device_get(state.params), m))
         if from_forward:
-            np.testing.assert_allclose(float(m["logprob_mismatch"]), np.abs(noise[mask]).max(), rtol=1e-2, atol=2e-6)
+            np.testing.assert_allclose(float(m["logprob_mismatch"]), np.abs(noise[mask]).max(), rtol=1e-4)
         else:
             assert "logprob_mismatch" not in m
     (p0, m0), (p1, m1) = results
     np.testing.assert_allclose(float(m1["loss"]), float(m0["loss"]), rtol=1e-5)
     assert abs(float(m1["ratio_mean"]) - 1.0) < 1e-6 and float(m1["clip_frac"]) == 0.0
     diff = max(float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(p0), jax.tree.leaves(p1), strict=True))
-    assert diff < 1e-6
+    assert diff < 1e-5  # two compiled programs: float rounding only (the other tests' tolerance)
