@@ -335,6 +335,10 @@ def main():
     if "tunix" in cases or "demo" in cases:
         res["load_avg_end"] = os.getloadavg()
         os.makedirs(os.path.dirname(args.out_cases), exist_ok=True)
+        if os.path.exists(args.out_cases):  # keep the other case's last figures when one case runs
+            with open(args.out_cases) as f:
+                prev = json.load(f)
+            res = {**{k: v for k, v in prev.items() if k not in res}, **res}
         with open(args.out_cases, "w") as f:
             json.dump(res, f, indent=2)
         print(f"wrote {args.out_cases}")

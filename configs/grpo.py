@@ -38,7 +38,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # R_BAT (SPEC section 4): preset paper | release; mode full | no_turn | tool_bonus | outcome.
     c.rbat = ml_collections.ConfigDict(dict(preset="paper", mode="full", gamma=4.0, delta=0.2, beta=0.2))
     c.loss = ml_collections.ConfigDict(dict(clip_eps=0.2, aggregation="seq_mean", kl_coef=0.0))
-    c.recompute_old_logprobs = True  # verl recomputes; False uses the sampler's recorded log-probs
+    # True: the old log-probs are the trainer's (the update's own forward, as a verl recompute would give
+    # with one update per batch; `logprob_mismatch` checks them against the sampler's); False: the sampler's.
+    c.recompute_old_logprobs = True
 
     c.rollout = ml_collections.ConfigDict(dict(
         turn_format="code", max_turns=6, max_turn_tokens=1024, max_new_tokens=4096, max_total_tokens=8192,

@@ -23,7 +23,7 @@ from flax import nnx, struct
 from codedance_jax import sharding as shd
 from codedance_jax.model import rope, text, vision
 from codedance_jax.model.config import ModelConfig
-from codedance_jax.model.layers import RMSNorm, param, remat_policy
+from codedance_jax.model.layers import RMSNorm, matmul, param, remat_policy
 
 
 @struct.dataclass
@@ -123,7 +123,7 @@ class Qwen25VL(nnx.Module):
 
     def logits(self, h_btd):
         w = shd.gather_param(self.embed, h_btd.dtype).T if self.lm_head is None else shd.gather_param(self.lm_head, h_btd.dtype)
-        return jnp.einsum("btd,dv->btv", h_btd, w)
+        return matmul(h_btd, w)
 
     def _decoder(self, x, positions_3bt, mask, caches=None, index=None):
         t = self.cfg.text

@@ -7,7 +7,8 @@ One step, each stage a function of `runs/grpo_stages.py` with a typed result:
   3. scores and advantages: R_acc, format, per-turn execution status (`rl.scoring`), then
      `rbat_advantages` on the global batch (jit kernel; reward parts for the logs);
   4. batch: trajectories -> the GRPO batch padded to a bucket (`train.rl_batch`);
-  5. old log-probs: recomputed by the trainer (as verl), and the frozen reference's when KL is on;
+  5. the frozen reference's log-probs when KL is on (the old policy's are the update's own forward:
+     one update per batch, so a separate recompute, as verl's, would run the same forward twice);
   6. update: `train.grpo.grpo_train_step` (jitted, sharded, micro-batched);
   7. metrics (`runs/grpo_metrics.py`), checkpoint (orbax, with the step number: prompts and
      sampling keys follow from it), evaluation on held-out prompts every `eval.every` steps

@@ -47,7 +47,7 @@ def metrics_row(sp: StepPrompts, ro: Rollouts, sc: Scores, b: GRPOBatch, up: Upd
         "groups_mixed": float(np.mean(groups.min(axis=1) != groups.max(axis=1))),
         "format_ok": float(np.mean(g["fmt_ok"])),
         **{f"train/{k}": v for k, v in up.metrics.items()},
-        "logprob_mismatch": b.logprob_mismatch,
+        "logprob_mismatch": b.logprob_mismatch if up.logprob_mismatch is None else up.logprob_mismatch,
         "time/rollout_s": ro.time_s, "time/decode_s": rstats.decode_s, "time/prefill_s": rstats.prefill_s,
         "time/append_s": rstats.append_s, "time/vision_s": rstats.vision_s,
         "time/sandbox_wait_s": rstats.device_wait_s, "time/scoring_s": sc.time_s, "time/batch_s": b.time_s,

@@ -5,8 +5,9 @@
     rollout  -> Rollouts        prompts x group_size trajectories, code run in the sandbox pool
     score    -> Scores          R_acc, format, per-turn execution status, R_BAT advantages (global stats)
     batch    -> GRPOBatch       trajectories -> the padded GRPO batch, on the mesh
-    old_logprobs -> GRPOBatch   old-policy (and reference) log-probs recomputed, as verl does
-    update   -> Update          one jitted, sharded GRPO update
+    old_logprobs -> GRPOBatch   the reference's log-probs (KL on)
+    update   -> Update          one jitted, sharded GRPO update; the old policy's log-probs are its
+                                own forward's (one update per batch), checked against the sampler's
 
 `GRPOContext` holds what every step reads (configs, mesh, engine, prompt source, caches). With
 several processes each host rolls out its share of the prompts with a host-local copy of the
@@ -109,8 +110,8 @@ class GRPOBatch:
     shardings: dict[str, NamedSharding]
     key: tuple  # batch shapes (the jit cache key)
     time_s: float
-    logprob_mismatch: float = float("nan")  # max |recomputed - sampled| old log-prob
-    logprob_s: float = 0.0
+    logprob_mismatch: float = float("nan")  # max |recomputed - sampled| old log-prob (see Update)
+    logprob_s: float = 0.0  # the reference's log-prob forward (KL on)
 
 
 @dataclasses.dataclass
@@ -118,6 +119,7 @@ class Update:
     state: Any  # the new TrainState
     metrics: dict[str, float]  # train/* (loss, pg_loss, clip_frac, entropy, grad_norm, lr, n_tokens)
     time_s: float
+    logprob_mismatch: float | None = None  # max |recomputed - sampled| old log-prob (update's forward)
 
 
 # ----------------------------------------------------------------------------------- helpers
@@ -220,45 +222,42 @@ def batch(ctx: GRPOContext, ro: Rollouts, scores: Scores, step: int) -> GRPOBatc
 
 
 def old_logprobs(ctx: GRPOContext, run: setup.Run, b: GRPOBatch) -> GRPOBatch:
-    """The old policy's log-probs recomputed by the trainer (verl's choice; `logprob_mismatch` is
-    their max distance to the sampler's), and the reference's when the KL term is on."""
-    config = ctx.config
-    if not (config.recompute_old_logprobs or ctx.ref_params is not None):
+    """The frozen reference's log-probs when the KL term is on. The old policy's are not recomputed
+    here: with one update per batch they are the update's own forward (`grpo_train_step(
+    old_from_forward=)`, when `recompute_old_logprobs`), which also reports `logprob_mismatch`, their
+    max distance to the sampler's (verl's check)."""
+    if ctx.ref_params is None:
         return b
-    t0 = time.perf_counter()
-    arrays, shardings, mismatch = dict(b.arrays), dict(b.shardings), b.logprob_mismatch
+    t0, config = time.perf_counter(), ctx.config
+    arrays, shardings = dict(b.arrays), dict(b.shardings)
     lp_bsh = {k: v for k, v in b.shardings.items() if k in sft.BATCH_FIELDS}
     lp_fn = ctx.lp_fns.get(b.key, lambda: grpo.make_logprob_fn(run.mdef, run.state_sh.params, lp_bsh, ctx.mesh,
                                                                temperature=config.rollout.temperature,
                                                                accum_steps=config.grad_accum, rules=ctx.rules))
     lp_in = {k: v for k, v in b.arrays.items() if k in sft.BATCH_FIELDS}
-    if config.recompute_old_logprobs:
-        old = lp_fn(run.state.params, lp_in)
-        mask = b.local["loss_mask"] > 0
-        n = ctx.rows // ctx.hosts
-        rec = np.asarray(old)[ctx.host * n : (ctx.host + 1) * n] if ctx.hosts > 1 else np.asarray(old)
-        mismatch = float(np.abs(rec - b.local["old_logprobs"])[mask].max()) if mask.any() else 0.0
-        arrays["old_logprobs"] = jax.device_put(old * arrays["loss_mask"], shardings["old_logprobs"])
-    if ctx.ref_params is not None:
-        arrays["ref_logprobs"] = jax.device_put(lp_fn(ctx.ref_params, lp_in), shardings["old_logprobs"])
-        shardings["ref_logprobs"] = shardings["old_logprobs"]
-    jax.block_until_ready(arrays["old_logprobs"])
-    return dataclasses.replace(b, arrays=arrays, shardings=shardings, logprob_mismatch=mismatch,
-                               logprob_s=time.perf_counter() - t0)
+    arrays["ref_logprobs"] = jax.device_put(lp_fn(ctx.ref_params, lp_in), shardings["old_logprobs"])
+    shardings["ref_logprobs"] = shardings["old_logprobs"]
+    jax.block_until_ready(arrays["ref_logprobs"])
+    return dataclasses.replace(b, arrays=arrays, shardings=shardings, logprob_s=time.perf_counter() - t0)
 
 
 def update(ctx: GRPOContext, run: setup.Run, b: GRPOBatch, step: int) -> Update:
-    """One GRPO update (jitted once per batch shape); the state's arrays are donated."""
+    """One GRPO update (jitted once per batch shape); the state's arrays are donated. With
+    `recompute_old_logprobs` the old log-probs come from the update's forward and `logprob_mismatch`
+    from its metrics."""
     t0 = time.perf_counter()
-    key = b.key + (("ref", ctx.ref_params is not None),)
+    recompute = bool(ctx.config.recompute_old_logprobs)
+    key = b.key + (("ref", ctx.ref_params is not None), ("old_from_forward", recompute))
     step_fn = run.steps.get(key, lambda: grpo.make_grpo_step(
         run.mdef, ctx.tx, ctx.sched, ctx.loss, run.state_sh, b.shardings, ctx.mesh,
-        accum_steps=ctx.config.grad_accum, temperature=ctx.config.rollout.temperature, rules=ctx.rules))
+        accum_steps=ctx.config.grad_accum, temperature=ctx.config.rollout.temperature, rules=ctx.rules,
+        old_from_forward=recompute))
     rng = jax.random.key(step)
     with jax.transfer_guard("disallow"):  # inputs are placed above: any other host<->device copy is a bug
         state, m = step_fn(run.state, b.arrays, rng)
     m = {k: float(v) for k, v in jax.device_get(m).items()}
-    return Update(state, m, time.perf_counter() - t0)
+    mismatch = m.pop("logprob_mismatch", None)
+    return Update(state, m, time.perf_counter() - t0, logprob_mismatch=mismatch)
 
 
 def checkpoint(ctx: GRPOContext, run: setup.Run, step: int) -> tuple[bool, float]:

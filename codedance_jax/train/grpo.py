@@ -13,6 +13,14 @@ the optimizer once. State, mesh, shardings and checkpoints are the training core
     a_turn       float32[B, M]  turn advantages (R_BAT kernel)
 
 all aligned with `targets` (position t predicts token t + 1).
+
+Old log-probs: with `old_from_forward` the step takes the old policy's log-probs from its own
+forward (`stop_gradient` of the current log-probs) instead of the batch. The loop makes ONE update
+per batch of rollouts, so the parameters of that forward are the old policy's: a separate
+recompute (verl's) is the same forward run twice (at Tunix's sizes 10-15% of a whole step; Tunix
+skips it the same way when `num_iterations` is 1). The batch's `old_logprobs` are then the
+sampler's, and the metric `logprob_mismatch` is their max distance to the recomputed ones over the
+trained tokens (the check verl's recompute gives).
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ def global_denom(batch, cfg: GRPOLossConfig):
 
 
 def grpo_train_step(state: TrainState, batch: dict, rng, *, mdef: ModelDef, tx, schedule, loss_cfg: GRPOLossConfig,
-                    accum_steps: int = 1, temperature: float = 1.0, chunk: int = 512):
+                    accum_steps: int = 1, temperature: float = 1.0, chunk: int = 512, old_from_forward: bool = False):
     del rng
     denom = global_denom(batch, loss_cfg)
     if accum_steps > 1:  # pack_src indexes the whole batch; micro-batches run unpacked
@@ -53,8 +61,13 @@ def grpo_train_step(state: TrainState, batch: dict, rng, *, mdef: ModelDef, tx, 
 
     def loss_fn(params, mb):
         lp, ent = policy_logprobs(params, mb, mdef, temperature=temperature, chunk=chunk, with_entropy=True)
-        return grpo_loss(lp, mb["old_logprobs"], mb.get("ref_logprobs"), mb["loss_mask"], mb["turn_ids"],
-                         mb["a_seq"], mb["a_turn"], loss_cfg, entropy=ent, denom=denom)
+        old = jax.lax.stop_gradient(lp) if old_from_forward else mb["old_logprobs"]
+        loss, m = grpo_loss(lp, old, mb.get("ref_logprobs"), mb["loss_mask"], mb["turn_ids"],
+                            mb["a_seq"], mb["a_turn"], loss_cfg, entropy=ent, denom=denom)
+        if old_from_forward:  # the recomputed vs the sampler's log-probs, over the trained tokens
+            gap = jnp.abs(jax.lax.stop_gradient(lp) - mb["old_logprobs"].astype(jnp.float32))
+            m["logprob_mismatch"] = jnp.max(jnp.where(mb["loss_mask"] > 0, gap, 0.0))
+        return loss, m
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     zeros = shd.constrain_like_params(jax.tree.map(jnp.zeros_like, state.params))
@@ -64,7 +77,8 @@ def grpo_train_step(state: TrainState, batch: dict, rng, *, mdef: ModelDef, tx, 
         (_, m), g = grad_fn(state.params, mb)
         g = shd.constrain_like_params(g)  # reduce-scatter to the parameters' layout (FSDP, issue 19)
         w = m["n_tokens"]  # token-weighted averages of the per-token metrics
-        m_acc = {k: m_acc[k] + (m[k] * w if k in TOKEN_METRICS else m[k]) for k in m_acc}
+        m_acc = {k: (jnp.maximum(m_acc[k], m[k]) if k in MAX_METRICS else m_acc[k] + (m[k] * w if k in TOKEN_METRICS else m[k]))
+                 for k in m_acc}
         return (jax.tree.map(jnp.add, g_acc, g), m_acc), None
 
     # Metric names come from one abstract evaluation of the loss.
@@ -87,13 +101,15 @@ def grpo_train_step(state: TrainState, batch: dict, rng, *, mdef: ModelDef, tx, 
 # Per-token means inside the loss: re-weighted by token counts across micro-batches. The others
 # (pg_loss, kl_ref, loss: already divided by the global denominator; n_tokens: a count) are sums.
 TOKEN_METRICS = ("clip_frac", "ppo_kl", "ratio_mean", "adv_mean", "entropy")
+MAX_METRICS = ("logprob_mismatch",)  # maxima over the micro-batches
 
 
 def make_grpo_step(mdef: ModelDef, tx, schedule, loss_cfg, state_sh, batch_sh, mesh, *, accum_steps=1,
-                   temperature=1.0, chunk=512, rules=None):
+                   temperature=1.0, chunk=512, rules=None, old_from_forward=False):
     replicated = NamedSharding(mesh, PartitionSpec())
     fn = functools.partial(grpo_train_step, mdef=mdef, tx=tx, schedule=schedule, loss_cfg=loss_cfg,
-                           accum_steps=accum_steps, temperature=temperature, chunk=chunk)
+                           accum_steps=accum_steps, temperature=temperature, chunk=chunk,
+                           old_from_forward=old_from_forward)
     fn = shd.with_compute_sharding(fn, mesh, rules)  # FSDP at use (issue 19)
     return jax.jit(fn, in_shardings=(state_sh, batch_sh, replicated), out_shardings=(state_sh, replicated), donate_argnums=0)
 

@@ -17,7 +17,10 @@ M = 3
 
 def _setup(mesh_shape, lr=1e-3):
     cfg = tiny_small_vocab()
-    oc = ml_collections.ConfigDict(dict(lr=lr, warmup_ratio=0.0, weight_decay=0.0, b1=0.9, b2=0.95, eps=1e-8,
+    # eps 1e-6, not 1e-8: Adam's first step is lr * g / (|g| + eps), so with eps 1e-8 an embedding row
+    # whose gradient is ~1e-8 turns float rounding (another mesh's reduction order) into 1e-5 of
+    # parameter (seen: 8e-6 and 1.2e-5 on the tiny model); with 1e-6 the meshes agree to ~5e-7.
+    oc = ml_collections.ConfigDict(dict(lr=lr, warmup_ratio=0.0, weight_decay=0.0, b1=0.9, b2=0.95, eps=1e-6,
                                         clip_norm=0.0, schedule="constant"))
     tx, sched = optim.make_optimizer(oc, 10)
     mesh = shd.make_mesh(*mesh_shape, devices=jax.devices()[: int(np.prod(mesh_shape))])
@@ -92,3 +95,36 @@ def test_micro_batched_logprob_recompute_keeps_rows_and_values():
     whole = np.asarray(grpo.make_logprob_fn(mdef, sh.params, bsh, mesh)(state.params, b))
     micro = np.asarray(grpo.make_logprob_fn(mdef, sh.params, bsh, mesh, accum_steps=2)(state.params, b))
     np.testing.assert_allclose(micro, whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_old_logprobs_from_the_update_forward_equal_a_separate_recompute(accum):
+    """`old_from_forward`: the update's own forward gives the old log-probs (one update per batch), so
+    the new parameters equal those of a step fed the separately recomputed ones, and
+    `logprob_mismatch` is the max gap to the batch's (sampler's) log-probs over the trained tokens."""
+    results = []
+    for from_forward in (False, True):
+        cfg, tx, sched, mesh, mdef, state, sh = _setup((1, 1, 1))
+        b = _rl_batch(cfg, seed=7)
+        b["a_turn"] = np.random.default_rng(8).standard_normal((8, M)).astype(np.float32)
+        old = np.asarray(grpo.make_logprob_fn(mdef, sh.params, sft.batch_shardings(b, mesh), mesh)(state.params, b))
+        mask = b["loss_mask"] > 0
+        # recompute: the batch holds the trainer's log-probs; from the forward: the "sampler's", off by
+        # up to 0.5 (ratios that far from 1 would be clipped: a step that used them would differ)
+        noise = np.random.default_rng(9).uniform(-0.5, 0.5, old.shape).astype(np.float32)
+        b["old_logprobs"] = ((old + noise * from_forward) * b["loss_mask"]).astype(np.float32)
+        bsh = sft.batch_shardings(b, mesh)
+        step = grpo.make_grpo_step(mdef, tx, sched, GRPOLossConfig(), sh, bsh, mesh, accum_steps=accum,
+                                   old_from_forward=from_forward)
+        state, m = step(state, {k: jax.device_put(v, bsh[k]) for k, v in b.items()}, jax.random.key(0))
+        m = jax.device_get(m)
+        results.append((jax.device_get(state.params), m))
+        if from_forward:
+            np.testing.assert_allclose(float(m["logprob_mismatch"]), np.abs(noise[mask]).max(), rtol=1e-4)
+        else:
+            assert "logprob_mismatch" not in m
+    (p0, m0), (p1, m1) = results
+    np.testing.assert_allclose(float(m1["loss"]), float(m0["loss"]), rtol=1e-5)
+    assert abs(float(m1["ratio_mean"]) - 1.0) < 1e-6 and float(m1["clip_frac"]) == 0.0
+    diff = max(float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(p0), jax.tree.leaves(p1), strict=True))
+    assert diff < 1e-5  # two compiled programs: float rounding only (the other tests' tolerance)
