@@ -79,12 +79,15 @@ def train_batch(rng, cfg, batch: int, seq: int, row_grids, n_units: int = 8, n_w
     return out
 
 
-def tiny_small_vocab(vocab: int = 32768):
-    """`ModelConfig.tiny()` with a 32k vocabulary, its special tokens at Qwen's offsets from the end.
+def tiny_small_vocab(vocab: int = 32768, vision_depth: int = 2):
+    """`ModelConfig.tiny()` with a 32k vocabulary, its special tokens at Qwen's offsets from the end,
+    and a vision tower of `vision_depth` blocks, the last one full attention (tiny's has 4).
 
     For the train-step tests: tiny's 152k x 64 embedding and head are 98% of its weights and most
     of a step's time, and the steps' properties (mesh/micro-batch invariance, learning) do not
     depend on the vocabulary size. ln(32768) = 10.4, so a fresh model's loss still starts above 10.
+    Two vision blocks keep both kinds (windowed, full attention) and cut a step's compile by ~20%
+    (an accumulated (2,1,1) SFT run: 24.4 s -> 19.1 s, one after the other on a quiet machine).
     """
     import dataclasses
 
@@ -93,4 +96,5 @@ def tiny_small_vocab(vocab: int = 32768):
     base = ModelConfig.tiny()
     shift = vocab - base.text.vocab_size
     ids = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "bos_token_id", "eos_token_id")
-    return base.replace(text=dataclasses.replace(base.text, vocab_size=vocab), **{k: getattr(base, k) + shift for k in ids})
+    vision = dataclasses.replace(base.vision, depth=vision_depth, fullatt_block_indexes=(vision_depth - 1,))
+    return base.replace(vision=vision, text=dataclasses.replace(base.text, vocab_size=vocab), **{k: getattr(base, k) + shift for k in ids})
