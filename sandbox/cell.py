@@ -109,7 +109,6 @@ def _after_fork_in_cell() -> None:
 def holder_main(sock, cfg: dict, landlock_rules: list | None, landlock_abi: int) -> None:
     """First holder of a session; never returns."""
     isolation.set_process_name("sbx-holder")
-    isolation.set_process_name("sbx-holder")
     devnull = _open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         _dup2(devnull, fd)

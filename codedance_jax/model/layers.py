@@ -8,6 +8,8 @@ Parameters are created with eager sharding off so that the same module builds on
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -53,9 +55,7 @@ def matmul(x, w, n_in: int = 1):
     """
     lead, ins, outs = x.shape[: x.ndim - n_in], x.shape[x.ndim - n_in :], w.shape[n_in:]
     assert w.shape[:n_in] == ins, (x.shape, w.shape, n_in)
-    k = 1
-    for d in ins:
-        k *= d
+    k = math.prod(ins)
     y = jnp.dot(x.reshape(-1, k), w.reshape(k, -1))
     return y.reshape(*lead, *outs)
 
