@@ -70,7 +70,10 @@ from codedance_jax.model.params import canonical_hf_name  # noqa: E402
 from codedance_jax.model.qwen25vl import num_params  # noqa: E402
 
 GRID = (1, 16, 16)  # 256 patches -> 64 image tokens
-TARGETS = {"prefill_full": 0.9, "prefill_last": 0.9, "decode_b1": 1.2, "decode_b8": 3.0}
+# Issue 14's targets: ratio to `transformers` (full prefill and batch-1 decode "stay ahead"), and for
+# decode at batch 8 also a share of its bandwidth floor.
+TARGETS = {"prefill_full": 1.0, "prefill_last": 1.0, "decode_b1": 1.0, "decode_b8": 3.0}
+FLOOR_TARGETS = {"decode_b8": 0.5}
 
 
 def bench_config() -> ModelConfig:
@@ -345,23 +348,27 @@ def main():
         r["ratio"] = r["ref"] and r["ours"] / r["ref"]
         r["ratio_best"] = r["ref_best"] and r["ours_best"] / r["ref_best"]
         r["target"] = TARGETS.get(r["name"])
-        r["met"] = None if r["ratio"] is None or r["target"] is None else bool(r["ratio"] >= r["target"])
         r["ours_frac_of_floor"] = r["ours"] / r["floor"]
+        r["floor_target"] = FLOOR_TARGETS.get(r["name"])
+        r["met"] = None if r["ratio"] is None or r["target"] is None else bool(
+            r["ratio"] >= r["target"] and r["ours_frac_of_floor"] >= (r["floor_target"] or 0.0))
         r["ref_frac_of_floor"] = r["ref"] and r["ref"] / r["floor"]
 
     def f(x, fmt):
         return "-" if x is None else format(x, fmt)
 
     hdr = f"{'measurement':30s} {'ours tok/s':>11s} {'ref tok/s':>10s} {'ratio':>6s} {'target':>6s} " \
-          f"{'floor tok/s':>11s} {'ours%fl':>7s} {'ref%fl':>6s} {'work':>14s} {'compile s':>9s} {'ratio best':>10s}"
+          f"{'floor tok/s':>11s} {'ours%fl':>7s} {'ref%fl':>6s} {'work':>14s} {'compile s':>9s} {'ratio best':>10s} met"
     print("\n" + hdr + "\n" + "-" * len(hdr))
     for r in rows:
         print(f"{r['label']:30s} {r['ours']:11.1f} {f(r['ref'], '10.1f')} {f(r['ratio'], '6.2f')} "
               f"{'-' if r['target'] is None else '>=' + format(r['target'], '.1f'):>6s} {r['floor']:11.1f} {r['ours_frac_of_floor']:7.0%} "
-              f"{f(r['ref_frac_of_floor'], '6.0%')} {r['bound']:>14s} {r['compile_s']:9.1f} {f(r['ratio_best'], '10.2f')}")
+              f"{f(r['ref_frac_of_floor'], '6.0%')} {r['bound']:>14s} {r['compile_s']:9.1f} {f(r['ratio_best'], '10.2f')} "
+              f"{'-' if r['met'] is None else ('yes' if r['met'] else 'NO')}")
     print(f"\nlimits (same run): float32 matmul {lim['matmul_gflops']:.1f} GFLOP/s ({lim['matmul_n']}^3 through JAX); "
           f"matvec {lim['matvec_gbps']:.1f} GB/s ([1,{lim['matvec_shape'][0]}]@{lim['matvec_shape']})")
-    print("prefill floor = FLOPs / matmul rate; decode floor = bytes read per step / matvec bandwidth")
+    print("prefill floor = FLOPs / matmul rate; decode floor = bytes read per step / matvec bandwidth; "
+          f"met: ratio >= target and, where set, ours%fl >= {FLOOR_TARGETS}")
     print(f"ours host prep in prefill: {pre['ours_host_prep_s'] * 1e3:.0f} ms of {pre['ours_full_s'] * 1e3:.0f} ms")
     print("tok/s and ratio: medians of interleaved runs; 'ratio best': from each side's fastest run "
           "(less sensitive to other jobs on a shared machine)")

@@ -58,6 +58,8 @@ def get_config(preset: str = "default") -> ml_collections.ConfigDict:
     s.data.synthetic = 0  # data.jsonl: the world's SFT trajectories, filled in by the pipeline
     s.data.max_pixels = c.world.get_ref("max_pixels")
     s.data.buckets = ((96, 16, 4), (192, 32, 8), (256, 64, 16), (448, 64, 16))
+    if mini:  # one bucket of each kind here and below: each one is a compile, and mini learns nothing
+        s.data.buckets = s.data.buckets[-1:]
     # data.pack (rows of several examples) stays off: measured side by side (benchmarks/sft_step.py
     # --case demo, WORKSPACE.md issue 14) rows of (448, 192, 64) were slower than these grouped
     # buckets in every bucket; try it with --config.sft.data.pack=448,192,64.
@@ -76,10 +78,10 @@ def get_config(preset: str = "default") -> ml_collections.ConfigDict:
     g.optim.update(lr=5e-5, warmup_ratio=0.0, schedule="constant")
     g.rbat.update(mode="full", preset="paper")
     g.rollout.update(max_turns=3, max_turn_tokens=48 if mini else 192, max_new_tokens=96 if mini else 384,
-                     max_total_tokens=448, temperature=1.0, obs_max_pixels=112 * 112, prompt_buckets=(128, 256),
-                     obs_buckets=(64, 192))
+                     max_total_tokens=448, temperature=1.0, obs_max_pixels=112 * 112,
+                     prompt_buckets=(256,) if mini else (128, 256), obs_buckets=(192,) if mini else (64, 192))
     g.sandbox.update(num_workers=2, timeout_s=10.0, memory_mb=1024)
-    g.buckets = ((384, 64, 16), (512, 96, 24)) if mini else ((256, 64, 16), (448, 96, 24))
+    g.buckets = ((512, 96, 24),) if mini else ((256, 64, 16), (448, 96, 24))
     g.data.update(eval_jsonl=(), toyworld=False)  # data.jsonl: the world's RL prompts, filled in by the pipeline
     g.eval.every = 0  # the demo evaluates before and after GRPO itself, on the whole held-out split
     g.metric_keys = ("difficulty",)

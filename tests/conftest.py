@@ -69,6 +69,10 @@ def tiny_pair():
 
 
 _CACHE_EVENTS = {"/jax/compilation_cache/compile_requests_use_cache": 0, "/jax/compilation_cache/cache_hits": 0}
+# XLA backend compilations in the test processes (a persistent-cache read counts as one, briefly), summed
+# over xdist workers for the summary: what share of the suite's time is compiling rather than running.
+_COMPILES = {"n": 0, "s": 0.0}
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
 def pytest_configure(config):
@@ -81,11 +85,35 @@ def pytest_configure(config):
         if event in _CACHE_EVENTS:
             _CACHE_EVENTS[event] += 1
 
+    def timed(event, duration, **kwargs):
+        if event == _BACKEND_COMPILE:
+            _COMPILES["n"] += 1
+            _COMPILES["s"] += duration
+
     jax.monitoring.register_event_listener(count)
+    jax.monitoring.register_event_duration_secs_listener(timed)
+
+
+def pytest_sessionfinish(session):
+    out = getattr(session.config, "workeroutput", None)  # set in an xdist worker: report to the controller
+    if out is not None:
+        out["jax_cache_events"] = list(_CACHE_EVENTS.values())
+        out["jax_compiles"] = dict(_COMPILES)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist, in the controller: add up what each worker saw
+def pytest_testnodedown(node, error):
+    out = getattr(node, "workeroutput", {})
+    for key, n in zip(_CACHE_EVENTS, out.get("jax_cache_events", ()), strict=False):
+        _CACHE_EVENTS[key] += n
+    for key in _COMPILES:
+        _COMPILES[key] += out.get("jax_compiles", {}).get(key, 0)
 
 
 def pytest_terminal_summary(terminalreporter):
     asked, hits = _CACHE_EVENTS.values()
     if asked:
         terminalreporter.write_line(f"JAX compilation cache ({os.environ['JAX_COMPILATION_CACHE_DIR']}): "
-                                    f"{hits} of {asked} compilations read back (this process; subprocesses not counted)")
+                                    f"{hits} of {asked} compilations read back; {_COMPILES['n']} backend "
+                                    f"compilations took {_COMPILES['s']:.0f} s (test processes only, not their "
+                                    "subprocesses)")

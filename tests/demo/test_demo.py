@@ -1,20 +1,27 @@
-"""The demo end to end with the miniature preset: every phase runs and the report has finite figures."""
+"""The demo end to end with the miniature preset, as users run it (`python -m launch.demo`, then
+`python -m launch.ablate`, on one CPU device): every phase runs and the report has finite figures."""
 
 import json
 import math
 import os
+import subprocess
 import sys
 
 import pytest
+from launch_env import REPO, launcher_env
+
+
+def _launch(module, workdir, *flags):
+    cmd = [sys.executable, "-m", f"launch.{module}", "--config=configs/demo.py:mini", f"--workdir={workdir}", *flags]
+    out = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])
 
 
 @pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="the sandbox needs Linux and root")
 def test_demo_mini_writes_the_report(tmp_path):
-    from codedance_jax.demo.pipeline import run
-    from configs import demo
-
-    summary = run(demo.get_config("mini"), str(tmp_path))
+    _launch("demo", tmp_path)
     report = tmp_path / "report"
+    summary = json.loads((report / "summary.json").read_text())
     for name in ("report.md", "report.html", "summary.json"):
         assert (report / name).stat().st_size > 0, name
     assert list((report / "plots").glob("*.png")), "no training-curve plot was drawn"
@@ -57,9 +64,8 @@ def test_demo_mini_writes_the_report(tmp_path):
     assert all((tmp_path / "eval_grpo" / p).exists() for p in rec["images"])
 
     # The ablation runner reuses the world and SFT policy and prints Table 3's rows.
-    from codedance_jax.demo.pipeline import ablate
-
-    results = ablate(demo.get_config("mini"), str(tmp_path), modes=("outcome",))
+    _launch("ablate", tmp_path, "--modes=outcome")
+    results = json.loads((tmp_path / "ablation.json").read_text())
     assert list(results) == ["sft", "sft_sampled", "outcome", "outcome_sampled"]
     assert results["sft_sampled"]["time_s"] == summary["evals"]["sft_sampled"]["time_s"]  # reused, not re-run
     table = (tmp_path / "ablation.md").read_text()
