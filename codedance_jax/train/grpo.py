@@ -105,17 +105,20 @@ MAX_METRICS = ("logprob_mismatch",)  # maxima over the micro-batches
 
 
 def make_grpo_step(mdef: ModelDef, tx, schedule, loss_cfg, state_sh, batch_sh, mesh, *, accum_steps=1,
-                   temperature=1.0, chunk=512, rules=None, old_from_forward=False):
+                   temperature=1.0, chunk=512, rules=None, old_from_forward=False, compiler_options=None):
+    """jit(grpo_train_step), the state donated; `compiler_options`: XLA options for its compile (see
+    `sft.make_train_step`)."""
     replicated = NamedSharding(mesh, PartitionSpec())
     fn = functools.partial(grpo_train_step, mdef=mdef, tx=tx, schedule=schedule, loss_cfg=loss_cfg,
                            accum_steps=accum_steps, temperature=temperature, chunk=chunk,
                            old_from_forward=old_from_forward)
     fn = shd.with_compute_sharding(fn, mesh, rules)  # FSDP at use (issue 19)
-    return jax.jit(fn, in_shardings=(state_sh, batch_sh, replicated), out_shardings=(state_sh, replicated), donate_argnums=0)
+    return jax.jit(fn, in_shardings=(state_sh, batch_sh, replicated), out_shardings=(state_sh, replicated), donate_argnums=0,
+                   compiler_options=compiler_options)
 
 
 def make_logprob_fn(mdef: ModelDef, params_sh, batch_sh, mesh, *, temperature=1.0, chunk=512, accum_steps=1,
-                    rules=None):
+                    rules=None, compiler_options=None):
     """jit: log-probs of targets under given params (old-policy or reference recompute).
 
     `accum_steps` > 1 runs the batch in that many micro-batches (`lax.map`), as the update does:
@@ -131,4 +134,4 @@ def make_logprob_fn(mdef: ModelDef, params_sh, batch_sh, mesh, *, temperature=1.
         return lp.swapaxes(0, 1).reshape(-1, lp.shape[-1])  # undo the strided split: row order kept
 
     run = shd.with_compute_sharding(run, mesh, rules)  # FSDP at use (issue 19)
-    return jax.jit(run, in_shardings=(params_sh, batch_sh), out_shardings=replicated)
+    return jax.jit(run, in_shardings=(params_sh, batch_sh), out_shardings=replicated, compiler_options=compiler_options)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from model_helpers import tiny_small_vocab, train_batch
+from model_helpers import FAST_COMPILE, tiny_small_vocab, train_batch
 
 from codedance_jax import sharding as shd
 from codedance_jax.rl.grpo_loss import GRPOLossConfig
@@ -42,11 +42,11 @@ def _rl_batch(cfg, seed=0):
 def test_one_update_moves_logprobs_with_the_advantage_sign():
     cfg, tx, sched, mesh, mdef, state, sh = _setup((1, 1, 1))
     b = _rl_batch(cfg)
-    lp_fn = grpo.make_logprob_fn(mdef, sh.params, sft.batch_shardings(b, mesh), mesh)
+    lp_fn = grpo.make_logprob_fn(mdef, sh.params, sft.batch_shardings(b, mesh), mesh, compiler_options=FAST_COMPILE)
     old = np.asarray(lp_fn(state.params, b))
     b["old_logprobs"] = old * b["loss_mask"]
     bsh = sft.batch_shardings(b, mesh)
-    step = grpo.make_grpo_step(mdef, tx, sched, GRPOLossConfig(), sh, bsh, mesh)
+    step = grpo.make_grpo_step(mdef, tx, sched, GRPOLossConfig(), sh, bsh, mesh, compiler_options=FAST_COMPILE)
     gb, rng = {k: jax.device_put(v, bsh[k]) for k, v in b.items()}, jax.random.key(0)
     with jax.transfer_guard("disallow"):
         with pytest.raises(Exception, match="Disallowed host-to-device transfer"):
@@ -74,7 +74,7 @@ def test_grpo_step_is_invariant_to_micro_batches_and_mesh(mesh_shape, accum):
         b["old_logprobs"] = (-rng.random(b["loss_mask"].shape) * 12).astype(np.float32) * b["loss_mask"]
         b["a_turn"] = rng.standard_normal((8, M)).astype(np.float32)
         bsh = sft.batch_shardings(b, mesh)
-        step = grpo.make_grpo_step(mdef, tx, sched, GRPOLossConfig(), sh, bsh, mesh, accum_steps=acc)
+        step = grpo.make_grpo_step(mdef, tx, sched, GRPOLossConfig(), sh, bsh, mesh, accum_steps=acc, compiler_options=FAST_COMPILE)
         gb, rng = {k: jax.device_put(v, bsh[k]) for k, v in b.items()}, jax.random.key(0)
         with jax.transfer_guard("disallow"):
             state, m = step(state, gb, rng)
@@ -92,8 +92,8 @@ def test_micro_batched_logprob_recompute_keeps_rows_and_values():
     cfg, tx, sched, mesh, mdef, state, sh = _setup((1, 4, 1))
     b = {k: v for k, v in _rl_batch(cfg, seed=5).items() if k in sft.BATCH_FIELDS}
     bsh = sft.batch_shardings(b, mesh)
-    whole = np.asarray(grpo.make_logprob_fn(mdef, sh.params, bsh, mesh)(state.params, b))
-    micro = np.asarray(grpo.make_logprob_fn(mdef, sh.params, bsh, mesh, accum_steps=2)(state.params, b))
+    whole = np.asarray(grpo.make_logprob_fn(mdef, sh.params, bsh, mesh, compiler_options=FAST_COMPILE)(state.params, b))
+    micro = np.asarray(grpo.make_logprob_fn(mdef, sh.params, bsh, mesh, accum_steps=2, compiler_options=FAST_COMPILE)(state.params, b))
     np.testing.assert_allclose(micro, whole, rtol=1e-5, atol=1e-5)
 
 
@@ -107,7 +107,7 @@ def test_old_logprobs_from_the_update_forward_equal_a_separate_recompute(accum):
         cfg, tx, sched, mesh, mdef, state, sh = _setup((1, 1, 1))
         b = _rl_batch(cfg, seed=7)
         b["a_turn"] = np.random.default_rng(8).standard_normal((8, M)).astype(np.float32)
-        old = np.asarray(grpo.make_logprob_fn(mdef, sh.params, sft.batch_shardings(b, mesh), mesh)(state.params, b))
+        old = np.asarray(grpo.make_logprob_fn(mdef, sh.params, sft.batch_shardings(b, mesh), mesh, compiler_options=FAST_COMPILE)(state.params, b))
         mask = b["loss_mask"] > 0
         # recompute: the batch holds the trainer's log-probs; from the forward: the "sampler's", off by
         # up to 0.5 (ratios that far from 1 would be clipped: a step that used them would differ)
@@ -115,7 +115,7 @@ def test_old_logprobs_from_the_update_forward_equal_a_separate_recompute(accum):
         b["old_logprobs"] = ((old + noise * from_forward) * b["loss_mask"]).astype(np.float32)
         bsh = sft.batch_shardings(b, mesh)
         step = grpo.make_grpo_step(mdef, tx, sched, GRPOLossConfig(), sh, bsh, mesh, accum_steps=accum,
-                                   old_from_forward=from_forward)
+                                   old_from_forward=from_forward, compiler_options=FAST_COMPILE)
         state, m = step(state, {k: jax.device_put(v, bsh[k]) for k, v in b.items()}, jax.random.key(0))
         m = jax.device_get(m)
         results.append((jax.device_get(state.params), m))

@@ -3,7 +3,7 @@
 import jax
 import ml_collections
 import numpy as np
-from model_helpers import tiny_small_vocab, train_batch
+from model_helpers import FAST_COMPILE, tiny_small_vocab, train_batch
 
 from codedance_jax import sharding as shd
 from codedance_jax.rl.grpo_loss import GRPOLossConfig
@@ -63,8 +63,8 @@ def test_packed_logprobs_loss_and_update_equal_unpacked():
     for batch in (b, pb):
         mdef, state, sh = st.create_train_state(cfg, tx, mesh, seed=3)
         fields = {k: v for k, v in batch.items() if k in sft.BATCH_FIELDS}
-        lp = np.asarray(grpo.make_logprob_fn(mdef, sh.params, sft.batch_shardings(fields, mesh), mesh)(state.params, fields))
-        step = grpo.make_grpo_step(mdef, tx, sched, GRPOLossConfig(), sh, sft.batch_shardings(batch, mesh), mesh)
+        lp = np.asarray(grpo.make_logprob_fn(mdef, sh.params, sft.batch_shardings(fields, mesh), mesh, compiler_options=FAST_COMPILE)(state.params, fields))
+        step = grpo.make_grpo_step(mdef, tx, sched, GRPOLossConfig(), sh, sft.batch_shardings(batch, mesh), mesh, compiler_options=FAST_COMPILE)
         state, m = step(state, batch, jax.random.key(0))
         out.append((lp, float(m["loss"]), float(m["entropy"]), jax.device_get(state.params)))
     (lp0, l0, e0, p0), (lp1, l1, e1, p1) = out
@@ -130,7 +130,7 @@ def test_packed_sft_batch_gives_the_unpacked_loss_and_update_on_any_mesh():
         mdef, state, sh = st.create_train_state(cfg, tx, mesh, seed=3)
         fields = {k: v for k, v in batch.items() if k in sft.BATCH_FIELDS}
         bsh = sft.batch_shardings(fields, mesh)
-        step = sft.make_train_step(mdef, tx, sched, sh, bsh, mesh, accum_steps=accum)
+        step = sft.make_train_step(mdef, tx, sched, sh, bsh, mesh, accum_steps=accum, compiler_options=FAST_COMPILE)
         state, m = step(state, {k: jax.device_put(v, bsh[k]) for k, v in fields.items()}, jax.random.key(0))
         out.append((float(m["loss"]), float(m["loss_tokens"]), jax.device_get(state.params)))
     (l0, n0, p0) = out[0]

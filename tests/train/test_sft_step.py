@@ -4,7 +4,7 @@ import jax
 import ml_collections
 import numpy as np
 import pytest
-from model_helpers import tiny_small_vocab, train_batch
+from model_helpers import FAST_COMPILE, tiny_small_vocab, train_batch
 
 from codedance_jax import sharding as shd
 from codedance_jax.train import optim, sft
@@ -25,7 +25,7 @@ def _run(cfg, batches, mesh_shape, accum=1, steps=None, lr=1e-3):
     mesh = shd.make_mesh(*mesh_shape, devices=devices)
     mdef, state, sh = st.create_train_state(cfg, tx, mesh, seed=0)
     bsh = sft.batch_shardings(batches[0], mesh)
-    step = sft.make_train_step(mdef, tx, sched, sh, bsh, mesh, accum_steps=accum)
+    step = sft.make_train_step(mdef, tx, sched, sh, bsh, mesh, accum_steps=accum, compiler_options=FAST_COMPILE)
     losses = []
     rng = jax.random.key(0)
     for i in range(steps or len(batches)):
