@@ -300,8 +300,9 @@ def format_table(reports: list[Report], topology: str) -> str:
                      "(micro-batch scan, vocabulary-chunk map), so this MFU is overstated; XLA util (its flops over its "
                      "time) is the cost model's own utilisation")
     for r in reports:
-        if r.note:
-            lines.append(f"- {r.name}: {r.note}")
+        held = f" (+{_gib(r.resident_bytes)} GiB per chip held by the caller, in total)" if r.resident_bytes else ""
+        if r.note or held:
+            lines.append(f"- {r.name}: {r.note}{held}")
         if r.largest and r.hbm_frac > 0.85:
             lines.append(f"- {r.name} largest buffers: " + "; ".join(f"{_gib(b)} GiB {k}" for b, k in r.largest))
     return "\n".join(lines)

@@ -177,7 +177,7 @@ def rollout_calls(config, mcfg: ModelConfig, devices, rollout_chips: int = 0) ->
     # before the prefill and replaced only by `share_prompts`' output (the old one is not donated);
     # the batch's logits during appends, the vision call and compactions.
     held_cache, held_logits = per_chip_bytes(cache), per_chip_bytes(logits_b)
-    cache_note = f"counts the batch's KV cache the engine holds meanwhile ({held_cache / pf.GIB:.2f} GiB per chip)"
+    cache_note = "the engine holds the batch's KV cache meanwhile"
 
     calls = []
     for length in prompt_buckets:
@@ -204,8 +204,12 @@ def rollout_calls(config, mcfg: ModelConfig, devices, rollout_chips: int = 0) ->
 
     for length in sorted(rcfg.obs_buckets):
         calls.append(RolloutCall(f"rollout.append@{length}", generate.extend_jit, (model, cache, *chunk(b, length), feats),
-                                 {"last_only": True}, fwd_flops(b, length), "", held_logits))
-    calls.append(RolloutCall("rollout.compact_cache", generate.compact_cache, (cache,), {}, 0.0, "", held_logits))
+                                 {"last_only": True}, fwd_flops(b, length), "the engine holds the logits meanwhile",
+                                 held_logits))
+    calls.append(RolloutCall("rollout.compact_cache", generate.compact_cache, (cache,), {}, 0.0,
+                             "the engine holds the logits meanwhile", held_logits))
     calls.append(RolloutCall(f"rollout.vision@{shape.vision_units}", generate.encode_jit, (model, vis), {},
-                             flops.train_flops(mcfg, 0, 1, patches) / 3, cache_note, held_cache + held_logits))
+                             flops.train_flops(mcfg, 0, 1, patches) / 3,
+                             "the engine holds the batch's KV cache and logits meanwhile; one group (G = 1): every "
+                             "chip of the data mesh encodes the whole call", held_cache + held_logits))
     return shape, calls
