@@ -148,9 +148,10 @@ def plan_from_config(config, topology: str, *, empty_batch, rows_per_chip: int =
     if kind == "grpo" and only != "train":
         shape, calls = preflight_rollout.rollout_calls(config, cfg, devices, rollout_chips)
         rollout = shape.describe()
-        entries = [Entry(c.name, c.jitted, c.args, c.model_flops, "; ".join(x for x in (c.note, note if i == 0 else "")
-                                                                             if x), c.kwargs, shape.rollout_chips,
-                         c.resident_bytes) for i, c in enumerate(calls)]
+        for i, c in enumerate(calls):  # the preset's note (e.g. toy -> tiny) once, on the first row
+            why = "; ".join(x for x in (c.note, note if i == 0 else "") if x)
+            entries.append(Entry(c.name, c.jitted, c.args, c.model_flops, why, c.kwargs, shape.rollout_chips,
+                                 c.resident_bytes))
     if only == "rollout":
         return Plan(kind, topology, chip, len(devices), dict(mesh.shape), config.model, rows, accum, bk, entries,
                     rollout)
