@@ -136,11 +136,14 @@ class Report:
     hbm_bytes_per_s: float = 0.0
     largest: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     note: str = ""
+    resident_bytes: int = 0  # per chip, buffers the caller keeps alive during the call that are not its arguments
 
     @property
     def total_bytes(self) -> int:
-        """Peak per chip: live arguments + temporaries + outputs not aliased to (donated) arguments."""
-        return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes + self.code_bytes
+        """Peak per chip: live arguments + temporaries + outputs not aliased to (donated) arguments,
+        plus what the caller holds meanwhile (`resident_bytes`)."""
+        return (self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes + self.code_bytes
+                + self.resident_bytes)
 
     @property
     def fits(self) -> bool:
@@ -203,15 +206,20 @@ def largest_buffers(hlo_text: str, n: int = 6) -> list[tuple[int, str]]:
 
 
 def compile_report(name: str, jitted, args, *, chip: Chip, chips: int, model_flops_total: float = 0.0,
-                   note: str = "") -> Report:
-    """Lower and compile `jitted` on abstract `args`; per-chip memory and cost model."""
-    lowered = jitted.lower(*args)
+                   note: str = "", kwargs: dict | None = None, resident_bytes: int = 0) -> Report:
+    """Lower and compile `jitted` on abstract `args` (and static `kwargs`); per-chip memory and cost model.
+
+    `chips`: the devices the function runs on (the slice for a training step, one host's chips for
+    a rollout function): model flops are divided over them."""
+    lowered = jitted.lower(*args, **(kwargs or {}))
     try:
         compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses programs over HBM
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        return _over_hbm_report(name, lowered, str(e), chip=chip, chips=chips, model_flops_total=model_flops_total)
+        rep = _over_hbm_report(name, lowered, str(e), chip=chip, chips=chips, model_flops_total=model_flops_total)
+        rep.resident_bytes = resident_bytes
+        return rep
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else (cost or {})
@@ -223,6 +231,7 @@ def compile_report(name: str, jitted, args, *, chip: Chip, chips: int, model_flo
         xla_flops=float(cost.get("flops", 0.0)), model_flops=model_flops_total / chips,
         optimal_seconds=float(cost.get("optimal_seconds", 0.0)), peak_flops=chip.peak_bf16_flops, note=note,
         bytes_accessed=float(cost.get("bytes accessed", 0.0)), hbm_bytes_per_s=chip.hbm_bytes_per_s,
+        resident_bytes=resident_bytes,
     )
     rep.largest = largest_buffers(compiled.as_text())
     return rep
@@ -248,7 +257,7 @@ def _over_hbm_report(name, lowered, message, *, chip: Chip, chips: int, model_fl
 
 
 LINEAR_FIELDS = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "code_bytes", "xla_flops",
-                 "model_flops", "optimal_seconds", "bytes_accessed")
+                 "model_flops", "optimal_seconds", "bytes_accessed", "resident_bytes")
 
 
 def extrapolate(base: Report, plus_text: Report, plus_vision: Report, more_text: int, more_vision: int) -> Report:
@@ -269,7 +278,8 @@ def _gib(b: float) -> str:
 
 def format_table(reports: list[Report], topology: str) -> str:
     chip_hbm = reports[0].hbm_bytes if reports else 0
-    head = (f"preflight {topology}: {reports[0].chips if reports else 0} chips, {_gib(chip_hbm)} GiB HBM per chip, "
+    chips = int(np.prod(parse_topology(topology)[1]))
+    head = (f"preflight {topology}: {chips} chips, {_gib(chip_hbm)} GiB HBM per chip, "
             f"MFU against {reports[0].peak_flops / 1e12:.0f} TFLOP/s bf16 per chip" if reports else "")
     lines = [head, "",
              "| function | args GiB | temp GiB | out GiB | aliased GiB | total GiB | % HBM | fits | XLA TFLOP/chip "
@@ -279,7 +289,8 @@ def format_table(reports: list[Report], topology: str) -> str:
         mfu = (f"{100 * r.mfu:.1f}%" + ("**" if r.loops_undercounted else "")) if r.mfu else "-"
         util = f"{100 * r.xla_util:.1f}%" if r.xla_util else "-"
         secs = f"{r.seconds:.4f}" + ("" if r.optimal_seconds > 0 else "*") if r.seconds else "-"
-        lines.append(f"| {r.name} | {_gib(r.argument_bytes)} | {_gib(r.temp_bytes)} | {_gib(r.output_bytes)} | "
+        name = r.name if r.chips == chips else f"{r.name} [{r.chips} chips]"  # e.g. one host's share of the slice
+        lines.append(f"| {name} | {_gib(r.argument_bytes)} | {_gib(r.temp_bytes)} | {_gib(r.output_bytes)} | "
                      f"{_gib(r.alias_bytes)} | {_gib(r.total_bytes)} | {100 * r.hbm_frac:.1f} | "
                      f"{'yes' if r.fits else 'NO'} | {r.xla_flops / 1e12:.2f} | {secs} | {util} | {mfu} |")
     if any(r.optimal_seconds <= 0 and r.xla_flops > 0 for r in reports):
@@ -289,8 +300,9 @@ def format_table(reports: list[Report], topology: str) -> str:
                      "(micro-batch scan, vocabulary-chunk map), so this MFU is overstated; XLA util (its flops over its "
                      "time) is the cost model's own utilisation")
     for r in reports:
-        if r.note:
-            lines.append(f"- {r.name}: {r.note}")
+        held = f" (+{_gib(r.resident_bytes)} GiB per chip held by the caller, in total)" if r.resident_bytes else ""
+        if r.note or held:
+            lines.append(f"- {r.name}: {r.note}{held}")
         if r.largest and r.hbm_frac > 0.85:
             lines.append(f"- {r.name} largest buffers: " + "; ".join(f"{_gib(b)} GiB {k}" for b, k in r.largest))
     return "\n".join(lines)

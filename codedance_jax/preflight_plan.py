@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from codedance_jax import preflight as pf
+from codedance_jax import preflight_rollout
 from codedance_jax.model.config import ModelConfig
 from codedance_jax.rl.grpo_loss import GRPOLossConfig
 from codedance_jax.train import flops, grpo, optim, sft
@@ -29,8 +30,11 @@ class Entry:
     name: str
     jitted: Callable
     args: tuple
-    model_flops: float = 0.0  # whole slice, `train.flops` formula
+    model_flops: float = 0.0  # over the devices it runs on, `train.flops` formula
     note: str = ""
+    kwargs: dict = dataclasses.field(default_factory=dict)  # static keyword arguments of the call
+    chips: int = 0  # devices it runs on (0 = the whole slice)
+    resident_bytes: int = 0  # per chip, held by the caller during the call besides the arguments
 
 
 @dataclasses.dataclass
@@ -45,12 +49,14 @@ class Plan:
     grad_accum: int
     bucket: tuple
     entries: list[Entry]
+    rollout: str = ""  # how the rollout functions were placed (`preflight_rollout.RolloutShape.describe`)
 
     def describe(self) -> str:
         per_chip = self.rows / (self.mesh_shape["data"] * self.mesh_shape["fsdp"] * self.grad_accum)
-        return (f"{self.kind} {self.model}: global batch {self.rows} rows x bucket {tuple(self.bucket)} "
-                f"(tokens, image tokens, windows), grad_accum {self.grad_accum} -> {per_chip:g} rows per chip per "
-                f"micro-batch; mesh {self.mesh_shape}")
+        train = (f"{self.kind} {self.model}: global batch {self.rows} rows x bucket {tuple(self.bucket)} "
+                 f"(tokens, image tokens, windows), grad_accum {self.grad_accum} -> {per_chip:g} rows per chip per "
+                 f"micro-batch; mesh {self.mesh_shape}")
+        return "\n".join(x for x in (train, self.rollout) if x)
 
 
 PRESETS = {"tiny": ModelConfig.tiny, "qwen25vl_3b": ModelConfig.qwen25vl_3b, "qwen25vl_7b": ModelConfig.qwen25vl_7b}
@@ -112,8 +118,15 @@ def with_shardings(shapes: dict, mesh, rules=None) -> tuple[dict, dict]:
 
 
 def plan_from_config(config, topology: str, *, empty_batch, rows_per_chip: int = 0, bucket: int = -1,
-                     devices=None, depth: tuple[int, int] | None = None) -> Plan:
-    """The Plan of an SFT (configs/sft.py) or GRPO (configs/grpo.py) config on `topology`."""
+                     devices=None, depth: tuple[int, int] | None = None, only: str = "",
+                     rollout_chips: int = 0) -> Plan:
+    """The Plan of an SFT (configs/sft.py) or GRPO (configs/grpo.py) config on `topology`.
+
+    A GRPO plan also holds the rollout engine's functions at one host's shapes
+    (`preflight_rollout`; `rollout_chips`: chips of a host its rows are split over, 0 = all of
+    them). `only`: "train" (the training steps) or "rollout" (the rollout functions); "" = both."""
+    if only not in ("", "train", "rollout"):
+        raise ValueError(f"--only={only!r}: expected train or rollout (or nothing for both)")
     chip, dims = pf.parse_topology(topology)
     devices = pf.topology_devices(topology) if devices is None else devices
     mesh = pf.topology_mesh(devices, config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
@@ -122,17 +135,30 @@ def plan_from_config(config, topology: str, *, empty_batch, rows_per_chip: int =
     if depth is not None:
         cfg = with_depth(cfg, *depth)
     kind = "grpo" if "prompts_per_step" in config else "sft"
+    if only == "rollout" and kind == "sft":
+        raise ValueError("--only=rollout: an SFT config has no rollout; use a configs/grpo.py preset")
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     accum = int(config.grad_accum)
     rows = config.prompts_per_step * config.group_size if kind == "grpo" else config.batch_size
     if rows_per_chip:
         rows = rows_per_chip * shards * accum
+    buckets = config.buckets if kind == "grpo" else config.data.buckets
+    bk = tuple(buckets[bucket])
+    entries, rollout = [], ""
+    if kind == "grpo" and only != "train":
+        shape, calls = preflight_rollout.rollout_calls(config, cfg, devices, rollout_chips)
+        rollout = shape.describe()
+        for i, c in enumerate(calls):  # the preset's note (e.g. toy -> tiny) once, on the first row
+            why = "; ".join(x for x in (c.note, note if i == 0 else "") if x)
+            entries.append(Entry(c.name, c.jitted, c.args, c.model_flops, why, c.kwargs, shape.rollout_chips,
+                                 c.resident_bytes))
+    if only == "rollout":
+        return Plan(kind, topology, chip, len(devices), dict(mesh.shape), config.model, rows, accum, bk, entries,
+                    rollout)
     if rows % (shards * accum):
         raise ValueError(f"global batch {rows} rows does not split into mesh data*fsdp={shards} x grad_accum={accum}; "
                          f"set --config.grad_accum to a divisor of {rows // shards if rows >= shards else rows} or "
                          "--rows_per_chip")
-    buckets = config.buckets if kind == "grpo" else config.data.buckets
-    bk = tuple(buckets[bucket])
     shapes = batch_shapes(empty_batch(bk, cfg.vision), rows)
     tx, sched = optim.make_optimizer(config.optim, config.total_steps)
     mdef, state, state_sh = abstract_train_state(cfg, tx, mesh, rules)
@@ -140,11 +166,11 @@ def plan_from_config(config, topology: str, *, empty_batch, rows_per_chip: int =
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=replicated)
     t, nb = bk[0], bk[1]
     train_flops = flops.train_flops(cfg, rows * t, t, rows * nb * cfg.vision.merge_unit)
-    entries = []
+    train_entries = []
     if kind == "sft":
         batch, bsh = with_shardings({k: v for k, v in shapes.items() if k in sft.BATCH_FIELDS}, mesh, rules)
         step = sft.make_train_step(mdef, tx, sched, state_sh, bsh, mesh, accum_steps=accum, rules=rules)
-        entries.append(Entry("sft.train_step", step, (state, batch, key), train_flops, note))
+        train_entries.append(Entry("sft.train_step", step, (state, batch, key), train_flops, note))
     else:
         m = config.rollout.max_turns
         extra = {"old_logprobs": jax.ShapeDtypeStruct((rows, t), np.float32),
@@ -157,18 +183,20 @@ def plan_from_config(config, topology: str, *, empty_batch, rows_per_chip: int =
         lp_batch = {k: v for k, v in batch.items() if k in sft.BATCH_FIELDS}
         lp_fn = grpo.make_logprob_fn(mdef, state_sh.params, {k: bsh[k] for k in lp_batch}, mesh,
                                      temperature=config.rollout.temperature, accum_steps=accum, rules=rules)
-        entries.append(Entry("grpo.old_logprobs", lp_fn, (state.params, lp_batch), train_flops / 3, note))
+        train_entries.append(Entry("grpo.old_logprobs", lp_fn, (state.params, lp_batch), train_flops / 3, note))
         step = grpo.make_grpo_step(mdef, tx, sched, GRPOLossConfig(clip_eps=float(config.loss.clip_eps), aggregation=config.loss.aggregation,
                                                   kl_coef=float(config.loss.kl_coef)), state_sh, bsh, mesh, accum_steps=accum,
                                    temperature=config.rollout.temperature, rules=rules)
-        entries.append(Entry("grpo.train_step", step, (state, batch, key), train_flops, note))
-    return Plan(kind, topology, chip, len(devices), dict(mesh.shape), config.model, rows, accum, bk, entries)
+        train_entries.append(Entry("grpo.train_step", step, (state, batch, key), train_flops, note))
+    return Plan(kind, topology, chip, len(devices), dict(mesh.shape), config.model, rows, accum, bk,
+                train_entries + entries, rollout)
 
 
 def compile_plan(plan: Plan) -> list[pf.Report]:
     """Compiles the entries one at a time (each frees its executable before the next)."""
-    return [pf.compile_report(e.name, e.jitted, e.args, chip=plan.chip, chips=plan.chips,
-                              model_flops_total=e.model_flops, note=e.note) for e in plan.entries]
+    return [pf.compile_report(e.name, e.jitted, e.args, chip=plan.chip, chips=e.chips or plan.chips,
+                              model_flops_total=e.model_flops, note=e.note, kwargs=e.kwargs,
+                              resident_bytes=e.resident_bytes) for e in plan.entries]
 
 
 # Base depth and the two one-layer steps that measure a text layer's and a vision block's share.

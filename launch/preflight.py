@@ -2,6 +2,11 @@ r"""Compile a run's jitted steps for a TPU slice on this (CPU) machine: memory a
 
   python -m launch.preflight --config=configs/sft.py:qwen25vl_7b --config.grad_accum=2 --topology=v5p:4x4x4
   python -m launch.preflight --config=configs/grpo.py:qwen25vl_7b --topology=v5p:4x4x4
+  python -m launch.preflight --config=configs/grpo.py:qwen25vl_7b --topology=v5p:4x4x4 --only=rollout
+
+A GRPO config also compiles the rollout engine's jitted functions (prefill at each prompt bucket,
+decode chunk, append at each observation bucket, vision) for ONE host of the slice (4 chips per
+host) at its share of the rollout batch (`codedance_jax/preflight_rollout.py`).
 
 Needs libtpu (`pip install -r requirements-tpu.txt`, best in a venv of its own). Nothing runs on a
 TPU and nothing reaches a network. Exit 0: everything fits; 2: something does not (its largest
@@ -23,6 +28,10 @@ _ROWS = flags.DEFINE_integer("rows_per_chip", 0, "rows per chip per micro-batch;
 _BUCKET = flags.DEFINE_integer("bucket", -1, "which of the config's (tokens, image tokens, windows) buckets")
 _DEPTH = flags.DEFINE_bool("extrapolate_depth", False, "compile at 1-2 layers and extrapolate linearly to the "
                            "model's depth (for machines where compiling the whole model takes too long)")
+_ONLY = flags.DEFINE_enum("only", "", ["", "train", "rollout"], "GRPO: compile only the training steps or only the "
+                          "rollout engine's functions (default: both)")
+_ROLLOUT_CHIPS = flags.DEFINE_integer("rollout_chips", 0, "GRPO: chips of one host the rollout's rows are split "
+                                      "over (0 = all of the host's chips; 1 = one chip holds the host's batch)")
 _JSON = flags.DEFINE_string("json_out", "", "also write the reports as JSON here")
 
 
@@ -53,7 +62,7 @@ def main(argv):
     def make_plan(depth=None):
         return runs.plan_from_config(config, _TOPOLOGY.value, rows_per_chip=_ROWS.value, bucket=_BUCKET.value,
                                      empty_batch=lambda bucket, vcfg: collate([], bucket, pad_id=0, vision_cfg=vcfg),
-                                     depth=depth)
+                                     depth=depth, only=_ONLY.value, rollout_chips=_ROLLOUT_CHIPS.value)
 
     try:
         if _DEPTH.value:

@@ -87,3 +87,21 @@ def test_cache_overflow_is_a_clear_error(tiny_pair):
     cache = model.init_cache(batch=1, max_len=8)
     with pytest.raises(ValueError, match="cache overflow"):
         extend_host(model, cache, np.arange(10, 20)[None])
+
+
+def test_a_remat_policy_decodes_in_the_jitted_loop_like_a_plain_one():
+    """The GRPO presets train with remat='full' and hand that model to the rollout engine: its cache
+    steps must run inside the decode loops (nnx.remat there raised TraceContextError; issue 19)."""
+    from flax import nnx
+    from model_helpers import tiny_small_vocab
+
+    from codedance_jax.model.qwen25vl import Qwen25VL
+
+    cfg = tiny_small_vocab()
+    plain, remat = (Qwen25VL(cfg.replace(remat=r), rngs=nnx.Rngs(3)) for r in ("none", "full"))
+    ids = np.random.default_rng(5).integers(10, 5000, (2, 7))
+    out = []
+    for model in (plain, remat):
+        last, cache = extend_host(model, model.init_cache(batch=2, max_len=16), ids, last_only=True)
+        out.append(np.asarray(greedy_decode(model, cache, last, 4)[0]))
+    np.testing.assert_array_equal(out[1], out[0])

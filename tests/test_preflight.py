@@ -48,7 +48,7 @@ def test_largest_buffers_reads_optimized_hlo_lines():
     assert size == 2 * 4096 * 152064 * 2 and "jit(step)/dot_general" in label and size2 == 512
 
 
-def _plan(topology, rows_per_chip=1, preset="tiny", config_file="configs/sft.py", **overrides):
+def _plan(topology, rows_per_chip=1, preset="tiny", config_file="configs/sft.py", only="", **overrides):
     import importlib.util
 
     from codedance_jax import preflight_plan
@@ -59,9 +59,14 @@ def _plan(topology, rows_per_chip=1, preset="tiny", config_file="configs/sft.py"
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     config = mod.get_config(preset)
-    config.update(overrides)
+    for k, v in overrides.items():  # dotted names reach nested blocks: rollout__obs_buckets -> rollout.obs_buckets
+        node, *path = k.split("__")
+        target = config
+        for p in [node, *path][:-1]:
+            target = target[p]
+        target[([node, *path])[-1]] = v
     return preflight_plan.plan_from_config(
-        config, topology, rows_per_chip=rows_per_chip, bucket=0,
+        config, topology, rows_per_chip=rows_per_chip, bucket=0, only=only,
         empty_batch=lambda b, v: collate([], b, pad_id=0, vision_cfg=v))
 
 
@@ -75,7 +80,7 @@ def preflight_plan_compile(plan):
 @pytest.mark.parametrize("config_file", ["configs/sft.py", "configs/grpo.py"])
 def test_per_chip_memory_is_flat_from_4_to_16_chips(config_file):
     """Fixed rows per chip: per-chip temporaries must not follow the global batch (issue 19)."""
-    kw = dict(grad_accum=2)
+    kw = dict(grad_accum=2, only="train")
     small_plan = _plan("v5e:2x2", 2, config_file=config_file, **kw)
     assert small_plan.chips == 4 and small_plan.rows == 2 * 4 * 2
     small = preflight_plan_compile(small_plan)
@@ -105,3 +110,27 @@ def test_launcher_exits_2_with_one_line_on_a_bad_topology():
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("preflight: --topology='v5p-128'")
+
+
+@needs_libtpu
+def test_grpo_rollout_functions_compile_for_one_host_with_rows_split_over_its_chips():
+    """The rollout engine's own jitted functions (prefill, share, decode chunk, append, compact,
+    vision) compile for v5e 2x2 at the tiny preset's per-host batch, each fitting a chip (issue 19)."""
+    plan = _plan("v5e:2x2", config_file="configs/grpo.py", only="rollout", rollout__prompt_buckets=(128,),
+                 rollout__obs_buckets=(64,))
+    # One host of 4 chips: 4 prompts x 4 = 16 rows, 4 per chip; the prefill runs one row per prompt (padded to 8).
+    assert "1 host(s) x 4 chips" in plan.rollout and "16 rows (8 prefill rows), 4 rows per chip" in plan.rollout
+    names = [e.name for e in plan.entries]
+    assert names == ["rollout.prefill@128", "rollout.share_prompts", "rollout.decode_chunk x16", "rollout.append@64",
+                     "rollout.compact_cache", "rollout.vision@64"]
+    reports = preflight_plan_compile(plan)
+    for r in reports:
+        assert r.chips == 4 and r.fits, (r.name, r.total_bytes)
+        assert 0 < r.total_bytes < r.hbm_bytes and r.argument_bytes > 0, r.name
+    by = {r.name: r for r in reports}
+    # The KV cache is split over the 4 chips: the whole-batch steps hold a quarter of it per chip,
+    # next to the replicated parameters (tiny preset: 2 layers, 2 KV heads x 16, 512 slots, float32).
+    cache_per_chip = 2 * 2 * 16 * 512 * 2 * 16 * 4 // 4  # layers, k/v, rows, slots, KV heads, head dim, bytes
+    for name in ("rollout.decode_chunk x16", "rollout.append@64"):
+        assert by[name].alias_bytes >= cache_per_chip, (name, by[name].alias_bytes)  # the cache is donated
+    assert by["rollout.vision@64"].xla_flops > 0 and by["rollout.prefill@128"].xla_flops > 0

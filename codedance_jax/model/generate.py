@@ -148,6 +148,12 @@ def vision_inputs(pixel_values, image_grid_thw, cfg, *, num_windows: int, num_un
     return VisionInputs(*(jnp.asarray(a)[None] for a in arrays))
 
 
+# The jitted functions themselves, by name, for ahead-of-time compiles of what the engine runs
+# (`codedance_jax.preflight_plan` lowers them for TPU topologies on abstract arguments).
+extend_jit = _extend
+encode_jit = _encode
+
+
 def encode_vision(model: Qwen25VL, vis: VisionInputs):
     """float[1, num_units, D]: image features (one compiled call per bucket)."""
     return _encode(model, vis)

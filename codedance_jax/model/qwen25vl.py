@@ -129,7 +129,10 @@ class Qwen25VL(nnx.Module):
         t = self.cfg.text
         cos, sin = rope.mrope_cos_sin(positions_3bt, t.head_dim, t.rope_theta, t.mrope_section)
         layer_fn = lambda layer, x, kv: layer(x, cos, sin, mask, kv, index)  # noqa: E731
-        if self.cfg.remat != "none":
+        # Remat only where a backward pass follows (the cache-free training forward). A cache step is
+        # inference: remat buys nothing there, and nnx.remat inside the sampler's while loop fails
+        # (TraceContextError: the Params belong to the jit's trace), so a remat'ed policy could not decode.
+        if self.cfg.remat != "none" and caches is None:
             layer_fn = nnx.remat(layer_fn, policy=remat_policy(self.cfg.remat))
         new = []
         for i, layer in enumerate(self.layers):

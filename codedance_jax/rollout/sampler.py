@@ -339,14 +339,12 @@ class Sampler:
         self._tables = tuple(jnp.asarray(a) for a in (stops.tail, stops.head_col, stops.head_ok, stops.has_head))
         self._key = jax.random.key(cfg.seed)
 
-    def decode_chunk(self, cache: KVCache, logits, active, limit, hist, forced, uid, count, start: int | None = None,
-                     rows: RowSampling | None = None):
-        """Runs up to `steps` steps; host inputs are numpy [B] / [B, K+1] / [B, N]. Returns (ChunkOut, cache, logits).
+    def chunk_call(self, cache: KVCache, logits, active, limit, hist, forced, uid, count,
+                   rows: RowSampling | None = None):
+        """(jitted function, positional args, static kwargs) of one decode chunk on device arrays.
 
-        start: the cache's write index when the caller tracks it on the host (saves a device sync).
-        `rows`: per-row temperature, top-p and greedy flags instead of the config's (one compile for
-        all-greedy batches, one for mixed ones); top-k stays the config's."""
-        start = int(cache.index) if start is None else start
+        `decode_chunk` calls exactly this; the pod preflight lowers it on abstract arguments
+        (`fn.lower(*args, **kwargs)`) to compile the engine's decode step for a TPU slice."""
         cfg = self.cfg
         temperature, top_p, use_top_p, greedy, row_greedy = (
             jnp.float32(cfg.temperature), jnp.float32(cfg.top_p), cfg.top_p < 1.0, cfg.greedy, None)
@@ -357,29 +355,24 @@ class Sampler:
             greedy = bool(np.all(rows.greedy))
             use_top_p = not greedy and bool(np.any(np.asarray(rows.top_p) < 1.0))
             row_greedy = None if greedy else jnp.asarray(rows.greedy, bool)
-        out = _decode_chunk(
-            self.state,
-            cache,
-            logits,
-            jnp.asarray(active, bool),
-            jnp.asarray(limit, jnp.int32),
-            jnp.asarray(hist, jnp.int32),
-            jnp.asarray(forced, jnp.int32),
-            jnp.asarray(uid, jnp.int32),
-            jnp.asarray(count, jnp.int32),
-            temperature,
-            top_p,
-            self._key,
-            *self._tables,
-            graphdef=self.graphdef,
-            steps=self.steps,
-            vocab_limit=self.vocab_limit,
-            top_k=cfg.top_k,
-            use_top_p=use_top_p,
-            greedy=greedy,
-            banned=self.banned,
-            row_greedy=row_greedy,
-        )
+        args = (self.state, cache, logits, active, limit, hist, forced, uid, count, temperature, top_p, self._key,
+                *self._tables)
+        kwargs = dict(graphdef=self.graphdef, steps=self.steps, vocab_limit=self.vocab_limit, top_k=cfg.top_k,
+                      use_top_p=use_top_p, greedy=greedy, banned=self.banned, row_greedy=row_greedy)
+        return _decode_chunk, args, kwargs
+
+    def decode_chunk(self, cache: KVCache, logits, active, limit, hist, forced, uid, count, start: int | None = None,
+                     rows: RowSampling | None = None):
+        """Runs up to `steps` steps; host inputs are numpy [B] / [B, K+1] / [B, N]. Returns (ChunkOut, cache, logits).
+
+        start: the cache's write index when the caller tracks it on the host (saves a device sync).
+        `rows`: per-row temperature, top-p and greedy flags instead of the config's (one compile for
+        all-greedy batches, one for mixed ones); top-k stays the config's."""
+        start = int(cache.index) if start is None else start
+        fn, args, kwargs = self.chunk_call(cache, logits, jnp.asarray(active, bool), jnp.asarray(limit, jnp.int32),
+                                           jnp.asarray(hist, jnp.int32), jnp.asarray(forced, jnp.int32),
+                                           jnp.asarray(uid, jnp.int32), jnp.asarray(count, jnp.int32), rows)
+        out = fn(*args, **kwargs)
         host = jax.device_get({k: out[k] for k in ("tokens", "logprobs", "emitted", "stopped", "active", "limit", "i")})
         chunk = ChunkOut(
             host["tokens"],

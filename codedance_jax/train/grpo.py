@@ -121,7 +121,7 @@ def make_logprob_fn(mdef: ModelDef, params_sh, batch_sh, mesh, *, temperature=1.
                     rules=None, compiler_options=None):
     """jit: log-probs of targets under given params (old-policy or reference recompute).
 
-    `accum_steps` > 1 runs the batch in that many micro-batches (`lax.map`), as the update does:
+    `accum_steps` > 1 runs the batch in that many micro-batches (`lax.scan`), as the update does:
     a 7B forward over 2,048 rows of 8k tokens at once does not fit any chip.
     """
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -130,7 +130,10 @@ def make_logprob_fn(mdef: ModelDef, params_sh, batch_sh, mesh, *, temperature=1.
     def run(p, b):
         if accum_steps == 1:
             return fn(p, b)
-        lp = jax.lax.map(lambda mb: fn(p, mb), split_micro(b, accum_steps))  # [n, B/n, T]
+        # The parameters ride the loop as its carry, not as a closure: a model merged in the body from
+        # closed-over parameters cannot be remat'ed (nnx.remat raised TraceContextError under the
+        # presets' remat="full"; issue 19).
+        _, lp = jax.lax.scan(lambda q, mb: (q, fn(q, mb)), p, split_micro(b, accum_steps))  # [n, B/n, T]
         return lp.swapaxes(0, 1).reshape(-1, lp.shape[-1])  # undo the strided split: row order kept
 
     run = shd.with_compute_sharding(run, mesh, rules)  # FSDP at use (issue 19)

@@ -15,8 +15,8 @@ from codedance_jax.train import state as st
 M = 3
 
 
-def _setup(mesh_shape, lr=1e-3):
-    cfg = tiny_small_vocab()
+def _setup(mesh_shape, lr=1e-3, remat="none"):
+    cfg = tiny_small_vocab().replace(remat=remat)
     # eps 1e-6, not 1e-8: Adam's first step is lr * g / (|g| + eps), so with eps 1e-8 an embedding row
     # whose gradient is ~1e-8 turns float rounding (another mesh's reduction order) into 1e-5 of
     # parameter (seen: 8e-6 and 1.2e-5 on the tiny model); with 1e-6 the meshes agree to ~5e-7.
@@ -87,9 +87,11 @@ def test_grpo_step_is_invariant_to_micro_batches_and_mesh(mesh_shape, accum):
     assert diff < 1e-5
 
 
-def test_micro_batched_logprob_recompute_keeps_rows_and_values():
-    """accum_steps splits rows with a stride (each micro-batch spans every chip); rows come back in order."""
-    cfg, tx, sched, mesh, mdef, state, sh = _setup((1, 4, 1))
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_micro_batched_logprob_recompute_keeps_rows_and_values(remat):
+    """accum_steps splits rows with a stride (each micro-batch spans every chip); rows come back in order.
+    remat='full' (the 3B/7B GRPO presets): the micro-batch loop failed to trace (TraceContextError; issue 19)."""
+    cfg, tx, sched, mesh, mdef, state, sh = _setup((1, 4, 1), remat=remat)
     b = {k: v for k, v in _rl_batch(cfg, seed=5).items() if k in sft.BATCH_FIELDS}
     bsh = sft.batch_shardings(b, mesh)
     whole = np.asarray(grpo.make_logprob_fn(mdef, sh.params, bsh, mesh, compiler_options=FAST_COMPILE)(state.params, b))
