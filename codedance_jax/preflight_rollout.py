@@ -84,13 +84,6 @@ class RolloutCall:
     resident_bytes: int = 0  # per chip: what the engine holds during the call besides its arguments
 
 
-def rollout_config(config) -> RolloutConfig:
-    """The engine's RolloutConfig from a GRPO config's `rollout` block (as `runs.grpo.rollout_config`)."""
-    fields = {f.name for f in dataclasses.fields(RolloutConfig)}
-    r = {k: (tuple(v) if isinstance(v, list | tuple) else v) for k, v in dict(config.rollout).items() if k in fields}
-    return RolloutConfig.train(**r)
-
-
 def rollout_shape(config, rcfg: RolloutConfig, mcfg: ModelConfig, chips: int, rollout_chips: int = 0) -> RolloutShape:
     per_host = min(CHIPS_PER_HOST, chips)
     hosts = chips // per_host
@@ -131,7 +124,7 @@ def _abstract(tree, sharding_of):
 
 def rollout_calls(config, mcfg: ModelConfig, devices, rollout_chips: int = 0) -> tuple[RolloutShape, list[RolloutCall]]:
     """The engine's jitted functions with abstract arguments on one host's mesh (module docstring)."""
-    rcfg = rollout_config(config)
+    rcfg = RolloutConfig.from_block(config.rollout)  # as the GRPO run builds its engine's
     shape = rollout_shape(config, rcfg, mcfg, len(devices), rollout_chips)
     mesh = pf.topology_mesh(devices[: shape.rollout_chips], shape.rollout_chips, 1, 1)
     replicated = NamedSharding(mesh, PartitionSpec())

@@ -26,13 +26,14 @@ from codedance_jax.model.qwen25vl import KVCache, Qwen25VL, VisionInputs, check_
 # Tree mode (graph=False): graph-mode `nnx.jit` returns every model Variable as a jit output, so each
 # call copied all parameters (~700 MB for the benchmark model, ~0.4 s on CPU) even though nothing
 # changed. Inference never mutates the model, so tree mode loses nothing here.
+# Public: the pod preflight lowers these same jitted functions (`codedance_jax.preflight_rollout`).
 @functools.partial(nnx.jit, graph=False)
-def _encode(model: Qwen25VL, vis: VisionInputs):
+def encode_jit(model: Qwen25VL, vis: VisionInputs):
     return model.encode_images(vis)
 
 
 @functools.partial(nnx.jit, static_argnames=("last_only",), donate_argnames=("cache",), graph=False)
-def _extend(model: Qwen25VL, cache: KVCache, ids, mask, positions, feats, last_only: bool):
+def extend_jit(model: Qwen25VL, cache: KVCache, ids, mask, positions, feats, last_only: bool):
     if last_only:
         # Last real token of each row (chunks may be right-padded within the row).
         last = jnp.maximum(jnp.sum(jnp.cumsum(mask[:, ::-1], axis=1) > 0, axis=1) - 1, 0)
@@ -57,8 +58,8 @@ def extend_host(model: Qwen25VL, cache: KVCache, input_ids, chunk_mask=None, pix
                                   start=np.asarray(cache.next_pos))
     feats = None
     if pixel_values is not None:
-        feats = _encode(model, VisionInputs.build(pixel_values, image_grid_thw, cfg, **bucket))
-    return _extend(model, cache, jnp.asarray(ids, jnp.int32), jnp.asarray(mask), jnp.asarray(pos), feats, last_only)
+        feats = encode_jit(model, VisionInputs.build(pixel_values, image_grid_thw, cfg, **bucket))
+    return extend_jit(model, cache, jnp.asarray(ids, jnp.int32), jnp.asarray(mask), jnp.asarray(pos), feats, last_only)
 
 
 def decode_step(model: Qwen25VL, cache: KVCache, tokens_b, active_b=None):
@@ -148,20 +149,14 @@ def vision_inputs(pixel_values, image_grid_thw, cfg, *, num_windows: int, num_un
     return VisionInputs(*(jnp.asarray(a)[None] for a in arrays))
 
 
-# The jitted functions themselves, by name, for ahead-of-time compiles of what the engine runs
-# (`codedance_jax.preflight_plan` lowers them for TPU topologies on abstract arguments).
-extend_jit = _extend
-encode_jit = _encode
-
-
 def encode_vision(model: Qwen25VL, vis: VisionInputs):
     """float[1, num_units, D]: image features (one compiled call per bucket)."""
-    return _encode(model, vis)
+    return encode_jit(model, vis)
 
 
 def extend_arrays(model: Qwen25VL, cache: KVCache, ids, mask, positions, feats=None, *, last_only: bool = True):
     """`extend` with host-computed positions int[3, B, C]; last_only gives each row's last real token's logits."""
-    return _extend(model, cache, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32), jnp.asarray(positions),
+    return extend_jit(model, cache, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32), jnp.asarray(positions),
                    feats, last_only)
 
 

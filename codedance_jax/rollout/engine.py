@@ -119,6 +119,14 @@ class RolloutConfig:
     def eval(cls, **kw) -> RolloutConfig:
         return cls(**{"max_turns": 10, **kw})
 
+    @classmethod
+    def from_block(cls, block, *, evaluation: bool = False, **overrides) -> RolloutConfig:
+        """From a run config's `rollout` block (sequences as tuples). Its sampling fields belong to
+        `SamplingConfig`; any other unknown field is an error, as a misspelt override should be."""
+        r = {k: tuple(v) if isinstance(v, list | tuple) else v for k, v in dict(block).items()
+             if k not in ("temperature", "top_p", "top_k")}
+        return (cls.eval if evaluation else cls.train)(**{**r, **overrides})
+
     @property
     def max_obs_tokens(self) -> int:
         return max(self.obs_buckets)

@@ -55,14 +55,9 @@ def loss_config(c) -> GRPOLossConfig:
 
 
 def rollout_config(config, *, evaluation: bool = False) -> RolloutConfig:
-    r = dict(config.rollout)
-    for k in ("temperature", "top_p", "top_k"):
-        r.pop(k)
-    r["prompt_buckets"], r["obs_buckets"] = tuple(r["prompt_buckets"]), tuple(r["obs_buckets"])
     if evaluation:
-        r["max_turns"] = int(config.eval.max_turns)
-        return RolloutConfig.eval(**r)
-    return RolloutConfig.train(**r)
+        return RolloutConfig.from_block(config.rollout, evaluation=True, max_turns=int(config.eval.max_turns))
+    return RolloutConfig.from_block(config.rollout)
 
 
 def prepare_files(config, workdir: str) -> dict:
