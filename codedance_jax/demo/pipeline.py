@@ -27,6 +27,8 @@ import time
 
 import ml_collections
 
+from codedance_jax.demo import table3
+
 
 def _log(msg: str):
     print(f"[demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -211,14 +213,6 @@ def run(c, workdir: str) -> dict:
     return summary
 
 
-ABLATION_ROWS = (  # paper Table 3 rows, in its order
-    ("outcome", "GRPO (R_acc + R_format)"),
-    ("tool_bonus", "DeepEyes-style tool reward"),
-    ("no_turn", "R_BAT without R_turn"),
-    ("full", "R_BAT (full)"),
-)
-
-
 def prepare_sft(c, workdir: str) -> tuple[dict, str]:
     """World and SFT policy (reused when they exist), as the demo makes them."""
     from codedance_jax.runs import sft as sft_run
@@ -232,44 +226,64 @@ def prepare_sft(c, workdir: str) -> tuple[dict, str]:
     return world, policy
 
 
-def ablate(c, workdir: str, modes=tuple(m for m, _ in ABLATION_ROWS)) -> dict:
+def ablate(c, workdir: str, modes=tuple(table3.MODE_NAMES), *, seeds=(), presets=()) -> dict:
     """Table 3 on the toy world: the reward variants trained from the same SFT policy with the same
-    seeds (same prompts per step, same sampling keys), each evaluated on the held-out split, greedy
-    and (with `eval.samples` > 0) sampled: results `sft`, `sft_sampled`, `{mode}`, `{mode}_sampled`."""
-    from codedance_jax.demo.numbers import fmt_ci
+    steps, each evaluated on the held-out split, greedy and (with `eval.samples` > 0) sampled.
+
+    seeds: GRPO seeds (prompt order and sampling keys); each row trains once per seed and the table
+    gives mean ± std over them. Empty: one run at the config's seed (`ablate/{mode}`).
+    presets: R_BAT presets for the R_BAT rows (`paper`, `release`), one row each; empty: the config's.
+    Returns the evaluation summaries by name: `sft`, `sft_sampled`, then per run `{row}[/seed{s}]`
+    and `{row}[/seed{s}]_sampled`; with seeds also `table` (per row label: mean, std, n per column)
+    and `seconds` (wall time of each row's runs, training and evaluation)."""
     from codedance_jax.runs import grpo as grpo_run
 
     workdir = os.path.abspath(workdir)
     c = ml_collections.ConfigDict(c.to_dict())
+    table_rows = table3.rows(modes, presets)
     _, sft_policy = prepare_sft(c, workdir)
-    results = {}
+    results, seconds = {}, {}
     with _pool(c) as pool:
         for name, sampled in eval_phases(c, "sft"):
             results[name] = evaluate_policy(c, workdir, sft_policy, os.path.join(workdir, f"eval_{name}"), pool,
                                             sampled=sampled)
-    for mode in modes:
-        run_dir = os.path.join(workdir, "ablate", mode)
-        policy = os.path.join(run_dir, "policy")
-        if not os.path.exists(os.path.join(policy, "codedance.json")):
-            _log(f"GRPO, reward {mode}: {c.grpo.total_steps} steps")
-            grpo_run.train_and_evaluate(grpo_config(c, workdir, sft_policy, mode=mode), run_dir)
-        with _pool(c) as pool:
-            for name, sampled in eval_phases(c, mode):
-                results[name] = evaluate_policy(c, workdir, policy, os.path.join(workdir, "ablate", f"eval_{name}"),
-                                                pool, sampled=sampled)
-    names = {"sft": "SFT cold start", **dict(ABLATION_ROWS)}
-    names.update({f"{k}_sampled": f"{v}, sampled (k={c.eval.samples})" for k, v in list(names.items())})
-    cols = ("accuracy", "avg_turns", "exec_success", "difficulty=easy/tool_rate", "difficulty=hard/tool_rate")
-    lines = ["| reward | accuracy | avg turns | exec success | tool rate easy | tool rate hard |",
-             "|---|---|---|---|---|---|"]
-    for key, summ in results.items():
-        cells = [fmt_ci(col.rpartition("/")[2] or col, summ.get(col, float("nan")), summ.get(f"{col}_ci95"))
-                 for col in cols]
-        lines.append(f"| {names.get(key, key)} | " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
+    for seed in (seeds or (None,)):  # seed by seed: a stopped ablation has whole tables for its first seeds
+        for row in table_rows:
+            t0 = time.perf_counter()
+            run = table3.run_name(row, seed)
+            run_dir = os.path.join(workdir, "ablate", run)
+            policy = os.path.join(run_dir, "policy")
+            if not os.path.exists(os.path.join(policy, "codedance.json")):
+                g = grpo_config(c, workdir, sft_policy, mode=row.mode)
+                if row.preset is not None:
+                    g.rbat.preset = row.preset
+                if seed is not None:
+                    g.seed = seed
+                _log(f"GRPO, reward {row.key}" + ("" if seed is None else f", seed {seed}") + f": {g.total_steps} steps")
+                grpo_run.train_and_evaluate(g, run_dir)
+            with _pool(c) as pool:
+                for name, sampled in eval_phases(c, run):
+                    out = os.path.join(workdir, "ablate", "eval_" + name.replace("/", "_"))
+                    results[name] = evaluate_policy(c, workdir, policy, out, pool, sampled=sampled)
+            seconds[row.key] = seconds.get(row.key, 0.0) + time.perf_counter() - t0
+    k = c.eval.samples
+    entries = [("SFT cold start", [results["sft"]])]
+    if k > 0:
+        entries.append((f"SFT cold start, sampled (k={k})", [results["sft_sampled"]]))
+    table = {}
+    for row in table_rows:
+        runs = [table3.run_name(row, s) for s in (seeds or (None,))]
+        entries.append((row.label, [results[r] for r in runs]))
+        if k > 0:
+            entries.append((f"{row.label}, sampled (k={k})", [results[f"{r}_sampled"] for r in runs]))
+    if seeds:
+        table = {label: table3.aggregate(runs) for label, runs in entries}
+        results["table"], results["seconds"] = table, seconds
+    seed_text = f"seeds {', '.join(map(str, seeds))}" if seeds else f"seed {c.grpo.seed}"
+    md = table3.markdown(entries, title=f"Table 3 on the toy world ({c.grpo.total_steps} GRPO steps per run, {seed_text})")
     with open(os.path.join(workdir, "ablation.md"), "w") as f:
-        f.write(f"# Table 3 on the toy world ({c.grpo.total_steps} GRPO steps per row, seed {c.seed})\n\n{table}\n")
+        f.write(md)
     with open(os.path.join(workdir, "ablation.json"), "w") as f:
         json.dump(results, f, indent=2)
-    print(table, flush=True)
+    print(md, flush=True)
     return results

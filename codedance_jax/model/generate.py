@@ -110,8 +110,8 @@ def compact_cache(cache: KVCache) -> KVCache:
     slot = jnp.arange(s, dtype=jnp.int32)[None, :]
     order = jnp.argsort(jnp.where(cache.valid, slot, slot + s), axis=1)  # [B, S] stable by construction
 
-    def gather(x):  # [B, S, K, H]
-        return jnp.take_along_axis(x, order[:, :, None, None], axis=1)
+    def gather(x):  # [B, K, S, H]
+        return jnp.take_along_axis(x, order[:, None, :, None], axis=2)
 
     return KVCache(
         k=tuple(gather(x) for x in cache.k),

@@ -54,9 +54,10 @@ class VisionInputs:
 
 @struct.dataclass
 class KVCache:
-    """Static-shape cache: L layers of [B, S, K, H] keys/values, per-slot validity, write index."""
+    """Static-shape cache: L layers of heads-major [B, K, S, H] keys/values (keys stored rotated),
+    per-slot validity, write index. Heads-major because attention runs heads-major (`text.Attention`)."""
 
-    k: tuple  # L x [B, S, K, H]
+    k: tuple  # L x [B, K, S, H]
     v: tuple
     valid: jax.Array  # bool[B, S]
     index: jax.Array  # int32[]: next slot to write (shared by the batch)
@@ -180,7 +181,7 @@ class Qwen25VL(nnx.Module):
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         t = self.cfg.text
         dt = dtype or self.cfg.compute_dtype
-        shape = (batch, max_len, t.num_key_value_heads, t.head_dim)
+        shape = (batch, t.num_key_value_heads, max_len, t.head_dim)
         zeros = lambda: jnp.zeros(shape, dt)  # noqa: E731
         return KVCache(
             k=tuple(zeros() for _ in range(t.num_hidden_layers)),

@@ -35,38 +35,38 @@ class Attention(nnx.Module):
         self.scale = h**-0.5
 
     def __call__(self, x_btd, cos_bth, sin_bth, mask_bts, kv_cache=None, index=None):
-        """Returns (out [B, T, D], (k, v)); with kv_cache=(k [B,S,K,H], v) the chunk is written at `index`."""
+        """Returns (out [B, T, D], (k, v) heads-major [B, K, T or S, H]); with kv_cache=(k [B, K, S, H], v)
+        the chunk is written at slots [index, index + T)."""
         dt = x_btd.dtype
         q = matmul(x_btd, shd.gather_param(self.q_kernel, dt)) + shd.gather_param(self.q_bias, dt)  # [B, T, N, H]
         k = matmul(x_btd, shd.gather_param(self.k_kernel, dt)) + shd.gather_param(self.k_bias, dt)
         v = matmul(x_btd, shd.gather_param(self.v_kernel, dt)) + shd.gather_param(self.v_bias, dt)
         cos, sin = cos_bth[:, :, None], sin_bth[:, :, None]
         q, k = rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin)
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H]: only the new chunk moves
         if kv_cache is not None:
             ck, cv = kv_cache
-            k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, index, 0, 0))
-            v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, index, 0, 0))
+            k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, index, 0))
+            v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, index, 0))
         o = self._attend_heads_major(q, k.astype(dt), v.astype(dt), mask_bts)
         return matmul(o, shd.gather_param(self.o_kernel, dt), n_in=2), (k, v)
 
     def _attend_heads_major(self, q, k, v, mask_bts):
-        """Attention with heads made leading dims first ([B, K, G*T, H] x [B, K, S, H]): two plain
-        batched matmuls. Written with (b, k) batch dims in the middle (`btkgh,bskh->bkgts`), XLA CPU
-        materializes transposed copies of the [B, K, G, T, S] logits and probabilities in both
-        directions: at 8 x 256 a training forward+backward was 2-2.5x slower (issue 14). With a
-        cache, S is the cache's length and the transpose of the [B, S, K, H] keys and values costs
-        O(S) per row: for a chunk (prompt, observation) that is small against its O(C S)
-        attention (a 4 x 512 last-token prefill's overhead over the cache-free forward went from
-        30% to 11%), and for one decoded token it was still faster than the middle-batch einsum
-        (4 layers at batch 8, 192 slots: 0.78 vs 1.17 ms, min of 200)."""
+        """q [B, T, N, H] against heads-major keys and values [B, K, S, H]: two plain batched matmuls
+        over [B, K, G*T, H] x [B, K, S, H]. Written with (b, k) batch dims in the middle
+        (`btkgh,bskh->bkgts`), XLA CPU materializes transposed copies of the [B, K, G, T, S] logits
+        and probabilities in both directions: at 8 x 256 a training forward+backward was 2-2.5x
+        slower (issue 14). The cache is stored heads-major for the same reason: stored [B, S, K, H],
+        every decoded token transposed the whole cache of every layer (at 64 rows x 640 slots on the
+        toy model, 9.7 of a step's 25 ms), where now only the new chunk is transposed."""
         b, t, n, h = q.shape
-        kh, g, s = n // self.groups, self.groups, k.shape[1]
+        kh, g, s = n // self.groups, self.groups, k.shape[2]
         qh = q.reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, h)  # rows (g, t)
-        logits = jnp.einsum("bkth,bksh->bkts", qh, k.transpose(0, 2, 1, 3)).astype(jnp.float32) * self.scale
+        logits = jnp.einsum("bkth,bksh->bkts", qh, k).astype(jnp.float32) * self.scale
         mask = jnp.broadcast_to(mask_bts[:, None], (b, g, t, s)).reshape(b, 1, g * t, s)
         logits = jnp.where(mask, logits, NEG_INF)
         probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
-        o = jnp.einsum("bkts,bksh->bkth", probs, v.transpose(0, 2, 1, 3))  # [B, K, G*T, H]
+        o = jnp.einsum("bkts,bksh->bkth", probs, v)  # [B, K, G*T, H]
         return o.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 

@@ -63,12 +63,18 @@ def test_demo_mini_writes_the_report(tmp_path):
     assert rec["meta"]["family"] in ("count", "bars", "find") and isinstance(rec["text"], str)
     assert all((tmp_path / "eval_grpo" / p).exists() for p in rec["images"])
 
-    # The ablation runner reuses the world and SFT policy and prints Table 3's rows.
-    _launch("ablate", tmp_path, "--modes=outcome")
+    # The ablation runner reuses the world and SFT policy and prints Table 3's rows: here one R_BAT
+    # row under the release preset at GRPO seed 5 (the presets and seeds of item 4 of issue 18).
+    _launch("ablate", tmp_path, "--modes=full", "--presets=release", "--seeds=5")
     results = json.loads((tmp_path / "ablation.json").read_text())
-    assert list(results) == ["sft", "sft_sampled", "outcome", "outcome_sampled"]
+    run = "full@release/seed5"
+    assert list(results) == ["sft", "sft_sampled", run, f"{run}_sampled", "table", "seconds"]
     assert results["sft_sampled"]["time_s"] == summary["evals"]["sft_sampled"]["time_s"]  # reused, not re-run
+    assert results["table"]["R_BAT (full), release preset"]["accuracy"]["n"] == 1
+    assert results["seconds"]["full@release"] > 0
+    run_cfg = json.loads((tmp_path / "ablate" / run / "run_config.json").read_text())["config"]
+    assert run_cfg["seed"] == 5 and run_cfg["rbat.preset"] == "release" and run_cfg["rbat.mode"] == "full"
     table = (tmp_path / "ablation.md").read_text()
-    assert "SFT cold start" in table and "GRPO (R_acc + R_format)" in table
-    assert "GRPO (R_acc + R_format), sampled (k=2)" in table
-    assert (tmp_path / "ablate" / "outcome" / "policy" / "codedance.json").exists()
+    assert "SFT cold start" in table and "| R_BAT (full), release preset | 1 |" in table
+    assert "R_BAT (full), release preset, sampled (k=2)" in table and "seeds 5" in table
+    assert (tmp_path / "ablate" / run / "policy" / "codedance.json").exists()

@@ -105,3 +105,19 @@ def test_splits_are_disjoint(world):
                     key = hashlib.sha256(g.read()).hexdigest()
                 assert key not in seen, (split, seen.get(key))
                 seen[key] = split
+
+
+# The digest of the fixture's world as generated on the machine that recorded it (every file but
+# world.json, whose timings vary). Another machine with the pinned requirements must write the same
+# bytes: the images (PIL), the expert's sandbox outputs, the trajectories and the trained tokenizer.
+# A deliberate change of the world's generation changes it: record the new value printed on failure.
+WORLD_DIGEST = "996cba9fe5fd4fbbe67036b9dfa1982cd52683051949c1aa5a5dd626c06bd82e"
+
+
+def test_same_world_bytes_on_any_machine(world):
+    d, _ = world
+    h = hashlib.sha256(json.dumps(sorted(_digest(d).items())).encode()).hexdigest()
+    assert h == WORLD_DIGEST, (
+        f"the tiny world's bytes differ from the recorded ones: digest {h}. Either this machine generates "
+        "a different world from the same seed (a library version or platform difference: see WORKSPACE.md, "
+        "reproducibility), or the generation changed on purpose: then set WORLD_DIGEST to it.")
