@@ -240,14 +240,14 @@ def ablate(c, workdir: str, modes=tuple(table3.MODE_NAMES), *, seeds=(), presets
 
     workdir = os.path.abspath(workdir)
     c = ml_collections.ConfigDict(c.to_dict())
-    table_rows = table3.rows(modes, presets)
+    table_rows, seed_list = table3.rows(modes, presets), (seeds or (None,))
     _, sft_policy = prepare_sft(c, workdir)
     results, seconds = {}, {}
     with _pool(c) as pool:
         for name, sampled in eval_phases(c, "sft"):
             results[name] = evaluate_policy(c, workdir, sft_policy, os.path.join(workdir, f"eval_{name}"), pool,
                                             sampled=sampled)
-    for seed in (seeds or (None,)):  # seed by seed: a stopped ablation has whole tables for its first seeds
+    for seed in seed_list:  # seed by seed: a stopped ablation has whole tables for its first seeds
         for row in table_rows:
             t0 = time.perf_counter()
             run = table3.run_name(row, seed)
@@ -270,15 +270,14 @@ def ablate(c, workdir: str, modes=tuple(table3.MODE_NAMES), *, seeds=(), presets
     entries = [("SFT cold start", [results["sft"]])]
     if k > 0:
         entries.append((f"SFT cold start, sampled (k={k})", [results["sft_sampled"]]))
-    table = {}
     for row in table_rows:
-        runs = [table3.run_name(row, s) for s in (seeds or (None,))]
+        runs = [table3.run_name(row, s) for s in seed_list]
         entries.append((row.label, [results[r] for r in runs]))
         if k > 0:
             entries.append((f"{row.label}, sampled (k={k})", [results[f"{r}_sampled"] for r in runs]))
     if seeds:
-        table = {label: table3.aggregate(runs) for label, runs in entries}
-        results["table"], results["seconds"] = table, seconds
+        results["table"] = {label: table3.aggregate(runs) for label, runs in entries}
+        results["seconds"] = seconds
     seed_text = f"seeds {', '.join(map(str, seeds))}" if seeds else f"seed {c.grpo.seed}"
     md = table3.markdown(entries, title=f"Table 3 on the toy world ({c.grpo.total_steps} GRPO steps per run, {seed_text})")
     with open(os.path.join(workdir, "ablation.md"), "w") as f:
