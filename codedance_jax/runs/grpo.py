@@ -10,9 +10,11 @@ One step, each stage a function of `runs/grpo_stages.py` with a typed result:
   5. the frozen reference's log-probs when KL is on (the old policy's are the update's own forward:
      one update per batch, so a separate recompute, as verl's, would run the same forward twice);
   6. update: `train.grpo.grpo_train_step` (jitted, sharded, micro-batched);
-  7. metrics (`runs/grpo_metrics.py`), checkpoint (orbax, with the step number: prompts and
-     sampling keys follow from it), evaluation on held-out prompts every `eval.every` steps
-     (`eval.rollouts.evaluate`, the evaluation the demo and `launch.eval` use too).
+  7. metrics (`runs/grpo_metrics.py`), evaluation on held-out prompts every `eval.every` steps
+     (`eval.rollouts.evaluate`, the evaluation the demo and `launch.eval` use too), then the
+     checkpoint (orbax, with the step number: prompts and sampling keys follow from it). Rows are
+     written before the checkpoint and a resumed run drops those past it, so a kill loses nothing
+     and duplicates nothing.
 Setup (model, initial weights, state, checkpointer, metric writer, jit caches) is `runs.setup`'s,
 shared with SFT. Rollouts run on the training mesh's parameters (one process). With several
 processes each host rolls out its share of the prompts with a host-local copy of the parameters,
@@ -40,6 +42,7 @@ from codedance_jax.runs.grpo_metrics import metrics_row
 from codedance_jax.runs.grpo_stages import GRPOContext, rollout_model
 from codedance_jax.train import optim, run_record
 from codedance_jax.train.batching import check_buckets
+from codedance_jax.train.metrics import drop_rows_after
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +122,11 @@ def open_context(config, workdir: str, run_setup) -> tuple[GRPOContext, setup.Ru
                          keep_initial=loss_cfg.kl_coef > 0)
     run_setup.callback(run.close)
     run_record.remember(config, workdir, "grpo")
+    if jax.process_index() == 0:  # the resumed run writes these again (MetricWriter does metrics.jsonl)
+        drop_rows_after(os.path.join(workdir, "eval.jsonl"), run.start)
+        for name in os.listdir(workdir):
+            if name.startswith("trajectories") and name.endswith(".jsonl"):
+                drop_rows_after(os.path.join(workdir, name), run.start, step_of=_trajectory_step)
     ref_params = run.initial_params
     source = rl_prompts.open_prompts(files["tfds_dir"], config.data.name)
     eval_prompts = []
@@ -138,6 +146,12 @@ def open_context(config, workdir: str, run_setup) -> tuple[GRPOContext, setup.Ru
                       buckets, source, rl_prompts.PromptSchedule(len(source), config.prompts_per_step, config.seed),
                       engine, pool, rows, ref_params)
     return ctx, run, eval_engine, eval_prompts
+
+
+def _trajectory_step(record: dict) -> int:
+    """The step (1-based, as metrics rows count) whose rollouts a saved trajectory is: it names its
+    sampling policy `policies/step_{k}`, exported during step k + 1."""
+    return int(record["policy"].rsplit("step_", 1)[1]) + 1
 
 
 def policy_path(workdir: str) -> str:
@@ -172,26 +186,41 @@ def train_and_evaluate(config, workdir: str) -> dict:
     run_record.check(config, workdir, "grpo")
     with contextlib.ExitStack() as closing:  # the run's files, then the sandbox pool, closed on any exit
         ctx, run, eval_engine, eval_prompts = open_context(config, workdir, closing)
-        history, last_eval = [], None
-        if config.eval.at_start and run.start == 0:
+        history, last_eval, ckpt_s = [], None, 0.0
+        if run.start and config.eval.every and _eval_due(config, run.start) and not _has_eval(workdir, run.start):
+            # The run stopped (preempted) after this step's checkpoint and before its evaluation.
+            last_eval = run_evaluation(ctx, run, eval_engine, eval_prompts, run.start)
+        elif config.eval.at_start and run.start == 0:
             last_eval = run_evaluation(ctx, run, eval_engine, eval_prompts, 0)
         for step in range(run.start, config.total_steps):
-            row, stop = train_step(ctx, run, step)
-            history.append(row)
+            # Row, evaluation, then checkpoint: whatever a kill loses is past the last checkpoint,
+            # so the resumed run recomputes it (and `open_context` dropped its stale rows).
+            history.append(train_step(ctx, run, step, ckpt_s))
+            stop = run.ckpt.should_stop(step + 1)
+            if not stop and config.eval.every and _eval_due(config, step + 1):
+                last_eval = run_evaluation(ctx, run, eval_engine, eval_prompts, step + 1)
+            ckpt_s = stages.checkpoint(ctx, run, step, stop)
             if stop:
                 log.warning("preemption signal: saved step %d, stopping", step + 1)
                 break
-            if config.eval.every and ((step + 1) % config.eval.every == 0 or step + 1 == config.total_steps):
-                last_eval = run_evaluation(ctx, run, eval_engine, eval_prompts, step + 1)
         from codedance_jax.checkpoint import orbax_io
 
         orbax_io.save(run.mdef.model(run.state.params), policy_path(workdir), ctx.processor)
     return {"step": int(run.state.step), "history": history, "eval": last_eval, "policy": policy_path(workdir)}
 
 
-def train_step(ctx: GRPOContext, run: setup.Run, step: int) -> tuple[dict, bool]:
+def _eval_due(config, step: int) -> bool:
+    return step % config.eval.every == 0 or step == config.total_steps
+
+
+def _has_eval(workdir: str, step: int) -> bool:
+    path = os.path.join(workdir, "eval.jsonl")
+    return os.path.exists(path) and any(json.loads(x)["step"] == step for x in open(path) if x.strip())
+
+
+def train_step(ctx: GRPOContext, run: setup.Run, step: int, ckpt_s: float = 0.0) -> dict:
     """prompts -> rollouts -> scores and R_BAT advantages -> batch -> old log-probs -> update ->
-    metrics / checkpoint. Returns the metrics row and whether a preemption signal stopped the run."""
+    metrics. Returns the metrics row (written); `ckpt_s` is the previous step's checkpoint save."""
     t_step, c0, config = time.perf_counter(), CompileCounter.total(), ctx.config
     prompts = stages.step_prompts(ctx, step)
     rollouts = stages.rollout(ctx, run, prompts, step)
@@ -204,7 +233,7 @@ def train_step(ctx: GRPOContext, run: setup.Run, step: int) -> tuple[dict, bool]
     row = metrics_row(prompts, rollouts, scores, batch, update, cfg=ctx.cfg, group_size=ctx.group_size,
                       keys=tuple(config.metric_keys),
                       peak_flops=config.peak_tflops_per_device * 1e12 * jax.device_count())
-    stop, row["time/checkpoint_s"] = stages.checkpoint(ctx, run, step)
+    row["time/checkpoint_s"] = ckpt_s
     row["compilations"] = float(CompileCounter.total() - c0)
     row["step_time_s"] = time.perf_counter() - t_step
     run.writer.write(step + 1, row)
@@ -212,4 +241,4 @@ def train_step(ctx: GRPOContext, run: setup.Run, step: int) -> tuple[dict, bool]
         print(run.progress.line(step + 1, {"acc": row["accuracy"], "turns": row["avg_turns"],
                                            "tool_rate": row["tool_rate"], "pg_loss": update.metrics.get("pg_loss", 0.0),
                                            "s/step": row["step_time_s"]}), flush=True)
-    return row, stop
+    return row

@@ -260,12 +260,11 @@ def update(ctx: GRPOContext, run: setup.Run, b: GRPOBatch, step: int) -> Update:
     return Update(state, m, time.perf_counter() - t0, logprob_mismatch=mismatch)
 
 
-def checkpoint(ctx: GRPOContext, run: setup.Run, step: int) -> tuple[bool, float]:
+def checkpoint(ctx: GRPOContext, run: setup.Run, step: int, stop: bool) -> float:
     """Save after `step` (the step number is the whole data state: prompts and keys follow from
-    it); returns (preempted, seconds)."""
+    it), forced when `stop` (preempted) or at the last step; returns the seconds it took."""
     t0 = time.perf_counter()
-    stop = run.ckpt.should_stop(step + 1)
     run.ckpt.save(step + 1, run.state, {"kind": "json", "value": {"step": step + 1}},
                   force=stop or step + 1 == ctx.config.total_steps)
-    return stop, time.perf_counter() - t0
+    return time.perf_counter() - t0
 

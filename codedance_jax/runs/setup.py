@@ -143,5 +143,5 @@ def open_run(config, workdir: str, cfg: ModelConfig, mesh, rules, tx, *, params=
         step0, state, data_state = restored
         log.info("resumed from step %d", step0)
     start = int(state.step)
-    writer = MetricWriter(workdir, tensorboard=config.tensorboard)
+    writer = MetricWriter(workdir, tensorboard=config.tensorboard, start=start)
     return Run(mdef, state, state_sh, ckpt, writer, data_state, start, Progress(config.total_steps, start), initial)

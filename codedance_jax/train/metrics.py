@@ -10,14 +10,39 @@ import time
 import jax
 
 
+def drop_rows_after(path: str, step: int, step_of=lambda row: row.get("step", 0)) -> int:
+    """Removes the rows of `path` (JSON lines; `step_of(row)` their step) past `step`; returns how many.
+
+    A run resumed from the checkpoint at `step` recomputes every later step, so rows written after
+    that checkpoint (by a run killed before its next save) would be duplicates. The file is
+    rewritten whole and renamed into place, so a kill here leaves the old or the new file."""
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        lines = f.readlines()
+    keep = [x for x in lines if not x.strip() or step_of(json.loads(x)) <= step]
+    if len(keep) == len(lines):
+        return 0
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+    return len(lines) - len(keep)
+
+
 class MetricWriter:
-    def __init__(self, workdir: str, *, tensorboard: bool = True):
+    """Appends rows to `{workdir}/metrics.jsonl`; `start` (the step a run resumes from) first drops
+    the rows past it, since the run writes them again."""
+
+    def __init__(self, workdir: str, *, tensorboard: bool = True, start: int | None = None):
         self.enabled = jax.process_index() == 0
         self._tb = None
         if not self.enabled:
             return
         os.makedirs(workdir, exist_ok=True)
-        self._f = open(os.path.join(workdir, "metrics.jsonl"), "a")
+        path = os.path.join(workdir, "metrics.jsonl")
+        if start is not None:
+            drop_rows_after(path, start)
+        self._f = open(path, "a")
         if tensorboard:
             from tensorboardX import SummaryWriter  # TensorBoard event files without TF's tensorboard package
 
