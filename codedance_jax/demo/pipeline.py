@@ -203,7 +203,7 @@ def run(c, workdir: str) -> dict:
         sft_metrics=_read_jsonl(os.path.join(sft_dir, "metrics.jsonl")),
         grpo_metrics=_read_jsonl(os.path.join(grpo_dir, "metrics.jsonl")),
         world=world, timings=timings, targets=dict(c.targets), examples_per_group=c.examples_per_group,
-        effect_targets=dict(c.effect_targets),
+        effect_targets=dict(c.effect_targets), drift=grpo_drift(c, workdir, sft_policy, grpo_dir),
     )
     with open(paths["summary.json"]) as f:
         summary = json.load(f)
@@ -211,6 +211,29 @@ def run(c, workdir: str) -> dict:
         print(f.read(), flush=True)
     _log(f"report: {paths['report.html']}")
     return summary
+
+
+def grpo_drift(c, workdir: str, reference: str, run_dir: str) -> list[dict]:
+    """`eval.drift.policy_drift` of a GRPO run's saved rollouts (`trajectories.jsonl`) against the
+    `reference` policy (the SFT one), per saved step; cached in RUN_DIR/drift.json."""
+    out = os.path.join(run_dir, "drift.json")
+    if os.path.exists(out):
+        with open(out) as f:
+            return json.load(f)
+    path = os.path.join(run_dir, "trajectories.jsonl")
+    if not os.path.exists(path):
+        return []
+    import codedance_jax
+    from codedance_jax.rollout import load_jsonl
+    from codedance_jax.runs.grpo import trajectory_step
+    from eval.drift import policy_drift
+
+    model, processor = codedance_jax.from_pretrained(reference)
+    rows = policy_drift(load_jsonl(path), model, processor, step_of=lambda t: trajectory_step({"policy": t.policy}),
+                        temperature=float(c.grpo.rollout.temperature))
+    with open(out, "w") as f:
+        json.dump(rows, f, indent=2)
+    return rows
 
 
 def prepare_sft(c, workdir: str) -> tuple[dict, str]:
@@ -265,6 +288,10 @@ def ablate(c, workdir: str, modes=tuple(table3.MODE_NAMES), *, seeds=(), presets
                 for name, sampled in eval_phases(c, run):
                     out = os.path.join(workdir, "ablate", "eval_" + name.replace("/", "_"))
                     results[name] = evaluate_policy(c, workdir, policy, out, pool, sampled=sampled)
+            drift = grpo_drift(c, workdir, sft_policy, run_dir)
+            results[f"{run}_drift"] = drift
+            if drift:  # the greedy row's column: how far the run moved from SFT at its last saved step
+                results[run][table3.DRIFT_COLUMN] = drift[-1]["kl_k3"]
             seconds[row.key] = seconds.get(row.key, 0.0) + time.perf_counter() - t0
     k = c.eval.samples
     entries = [("SFT cold start", [results["sft"]])]

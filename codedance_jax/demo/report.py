@@ -405,6 +405,17 @@ def tool_use_table(analytics: Mapping[str, Mapping]) -> tuple[list[str], list[li
     return header, rows
 
 
+DRIFT_NOTE = ("How far GRPO moved the policy: KL(sampling policy || SFT policy) per sampled token, averaged "
+              "over each saved step's rollouts (k3 = r - 1 - log r with r = p_SFT / p_policy, unbiased and >= 0; "
+              "k1 = log p_policy - log p_SFT, unbiased, noisier; eval.drift).")
+
+
+def drift_table(drift: Sequence[Mapping]) -> tuple[list[str], list[list[str]]]:
+    return (["step", "KL (k3)", "KL (k1)", "sampled tokens", "trajectories"],
+            [[str(r["step"]), f"{r['kl_k3']:.4f}", f"{r['kl_k1']:.4f}", str(r["tokens"]), str(r["trajectories"])]
+             for r in drift])
+
+
 def write_report(
     out_dir: str,
     *,
@@ -425,13 +436,15 @@ def write_report(
     hard_tool_rate_min: float = 0.8,
     examples_per_group: int = 2,
     copy_images: bool = False,
+    drift: Sequence[Mapping] | None = None,
 ) -> dict[str, str]:
     """Write report.md, summary.json, report.html and plots/*.png to `out_dir`; returns
     {path relative to out_dir: absolute path} of every file written. `sft_data`: the SFT JSONL
     (the calls the analytics call "seen"); `grpo_trajectories`: GRPO's rollout records (the
     analytics' per-step curves, and each step's accuracy and tool-call rate with 95% intervals);
     `prompt_metas`: the RL prompts' JSONL (`id`, `difficulty`: the per-difficulty step rates);
-    `effect_targets`: `effect_checks`' spec (GRPO against SFT, issue 18)."""
+    `effect_targets`: `effect_checks`' spec (GRPO against SFT, issue 18); `drift`: `eval.drift.policy_drift`
+    rows of GRPO's sampling policies against the SFT policy (how far the policy moved)."""
     out_dir = os.path.abspath(os.fspath(out_dir))
     os.makedirs(out_dir, exist_ok=True)
     evals = {str(k): dict(v or {}) for k, v in (evals or {}).items()}
@@ -490,6 +503,7 @@ def write_report(
         "intervals": INTERVALS_NOTE,
         "tool_use": {"evals": tools["evals"], "grpo_curves": tools["curves"], "sft_calls": tools["sft_calls"]},
         "grpo_step_rates": steps,
+        "policy_drift": list(drift or []),
         "timings": timings,
         "world": world,
         "plots": sorted(os.path.relpath(p, out_dir) for p in plots.values()),
@@ -542,6 +556,8 @@ def write_report(
     if step_plot:
         md += ["GRPO's rollouts per step (the sampling policy the reward acts on), with 95% intervals "
                "(clustered by prompt):", "", "![grpo_step_rates](plots/grpo_step_rates.png)", ""]
+    if drift:
+        md += [DRIFT_NOTE, "", _md_table(*drift_table(drift)), ""]
     md += [f"![{stem}](plots/{stem}.png)" for stem in plots]
     md += [f"- {t}: no data" for t in no_data] + [""]
     md += ["## Timings", "", _md_table(*t_time) if timings else "No timings.", ""]

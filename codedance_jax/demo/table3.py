@@ -29,7 +29,11 @@ COLUMNS = (  # (summary key, header): the paper's columns plus the tool-call rat
     ("exec_success", "exec success"),
     ("difficulty=easy/tool_rate", "tool rate easy"),
     ("difficulty=hard/tool_rate", "tool rate hard"),
+    ("kl_to_sft", "KL to SFT"),
 )
+# KL(sampling policy || SFT) per sampled token at a run's last saved GRPO step (eval.drift, k3): set
+# by `pipeline.ablate` on each run's greedy entry, so it shows that (and how far) a run moved.
+DRIFT_COLUMN = "kl_to_sft"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +81,9 @@ def aggregate(runs: list[dict]) -> dict:
 
 
 def _cell(col: str, runs: list[dict], agg: dict) -> str:
+    if col == DRIFT_COLUMN:
+        a = agg.get(col)
+        return "n/a" if a is None else f"{a['mean']:.4f}" + (f" ± {a['std']:.4f}" if a["n"] > 1 else "")
     if len(runs) == 1:
         return fmt_ci(col.rpartition("/")[2] or col, runs[0].get(col, float("nan")), runs[0].get(f"{col}_ci95"))
     a = agg.get(col)
@@ -94,8 +101,10 @@ def markdown(entries: list[tuple[str, list[dict]]], *, title: str) -> str:
     for label, runs in entries:
         agg = aggregate(runs)
         lines.append(f"| {label} | {len(runs)} | " + " | ".join(_cell(col, runs, agg) for col, _ in COLUMNS) + " |")
-    lines += ["", "One run: the rate with its 95% interval. Several (seeds): mean ± sample std over them."]
+    lines += ["", "One run: the rate with its 95% interval. Several (seeds): mean ± sample std over them. "
+              "KL to SFT: KL(sampling policy || SFT policy) per sampled token at the run's last saved GRPO step "
+              "(eval.drift)."]
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["COLUMNS", "MODE_NAMES", "RBAT_MODES", "Row", "aggregate", "markdown", "rows", "run_name"]
+__all__ = ["COLUMNS", "DRIFT_COLUMN", "MODE_NAMES", "RBAT_MODES", "Row", "aggregate", "markdown", "rows", "run_name"]

@@ -126,7 +126,7 @@ def open_context(config, workdir: str, run_setup) -> tuple[GRPOContext, setup.Ru
         drop_rows_after(os.path.join(workdir, "eval.jsonl"), run.start)
         for name in os.listdir(workdir):
             if name.startswith("trajectories") and name.endswith(".jsonl"):
-                drop_rows_after(os.path.join(workdir, name), run.start, step_of=_trajectory_step)
+                drop_rows_after(os.path.join(workdir, name), run.start, step_of=trajectory_step)
     ref_params = run.initial_params
     source = rl_prompts.open_prompts(files["tfds_dir"], config.data.name)
     eval_prompts = []
@@ -148,7 +148,7 @@ def open_context(config, workdir: str, run_setup) -> tuple[GRPOContext, setup.Ru
     return ctx, run, eval_engine, eval_prompts
 
 
-def _trajectory_step(record: dict) -> int:
+def trajectory_step(record: dict) -> int:
     """The step (1-based, as metrics rows count) whose rollouts a saved trajectory is: it names its
     sampling policy `policies/step_{k}`, exported during step k + 1."""
     return int(record["policy"].rsplit("step_", 1)[1]) + 1

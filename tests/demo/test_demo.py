@@ -50,6 +50,10 @@ def test_demo_mini_writes_the_report(tmp_path):
         rates = [v for k, v in r.items() if k in ("difficulty=easy/tool_rate", "difficulty=hard/tool_rate")]
         assert rates and all(0 <= v <= 1 for v in rates) and r["n"] == 8
     assert (report / "plots" / "grpo_step_rates.png").stat().st_size > 0
+    # How far GRPO moved the policy from SFT, per saved step (eval.drift): k3 is >= 0 per token.
+    assert [r["step"] for r in summary["policy_drift"]] == [1, 2]
+    assert all(r["kl_k3"] >= 0 and math.isfinite(r["kl_k1"]) and r["tokens"] > 0 for r in summary["policy_drift"])
+    assert "KL(sampling policy || SFT policy)" in md
     world = json.loads((tmp_path / "world" / "world.json").read_text())
     assert world["hard_direct_rate"] == 0.1 and world["error_rate"] == 0.1 and world["easy_code_rate"] == 0.75
     assert world["easy_code_families"] == ["count", "bars"] and set(world["easy_items_with_code_by_family"]) <= {
@@ -68,7 +72,10 @@ def test_demo_mini_writes_the_report(tmp_path):
     _launch("ablate", tmp_path, "--modes=full", "--presets=release", "--seeds=5")
     results = json.loads((tmp_path / "ablation.json").read_text())
     run = "full@release/seed5"
-    assert list(results) == ["sft", "sft_sampled", run, f"{run}_sampled", "table", "seconds"]
+    assert list(results) == ["sft", "sft_sampled", run, f"{run}_sampled", f"{run}_drift", "table", "seconds"]
+    assert [r["step"] for r in results[f"{run}_drift"]] == [1, 2]
+    assert results[run]["kl_to_sft"] == results[f"{run}_drift"][-1]["kl_k3"] >= 0
+    assert results["table"]["R_BAT (full), release preset"]["kl_to_sft"]["n"] == 1
     assert results["sft_sampled"]["time_s"] == summary["evals"]["sft_sampled"]["time_s"]  # reused, not re-run
     assert results["table"]["R_BAT (full), release preset"]["accuracy"]["n"] == 1
     assert results["seconds"]["full@release"] > 0

@@ -4,6 +4,7 @@ import math
 import random
 import re
 
+import numpy as np
 import pytest
 
 from codedance_jax.demo import table3
@@ -53,3 +54,13 @@ def test_one_run_shows_its_interval_and_zero_std():
     assert agg["accuracy"]["std"] == 0.0 and agg["accuracy"]["n"] == 1
     md = table3.markdown([("SFT cold start", [run])], title="t")
     assert re.search(r"\| SFT cold start \| 1 \| \d+\.\d% \[\d+\.\d, \d+\.\d\] \|", md)
+
+
+def test_kl_column_shows_mean_and_std_of_the_runs_that_have_it():
+    rng = np.random.default_rng()
+    kl = rng.uniform(0.001, 0.1, size=3)
+    runs = [{"accuracy": float(rng.uniform()), "kl_to_sft": float(v)} for v in kl]
+    md = table3.markdown([("SFT cold start", [{"accuracy": 0.5}]), ("R_BAT (full)", runs)], title="t")
+    sft_line, row_line = [x for x in md.splitlines() if x.startswith("| SFT") or x.startswith("| R_BAT")]
+    assert sft_line.rstrip(" |").endswith("n/a")
+    assert row_line.rstrip(" |").endswith(f"{kl.mean():.4f} ± {kl.std(ddof=1):.4f}")
