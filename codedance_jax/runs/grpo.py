@@ -49,7 +49,11 @@ log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------------- config
 def rbat_config(c) -> RBATConfig:
-    base = RBATConfig.release if c.preset == "release" else RBATConfig.paper
+    presets = {"paper": RBATConfig.paper, "release": RBATConfig.release}
+    if c.preset not in presets:
+        raise ConfigError(f"config.rbat.preset={c.preset!r}: choose paper (the paper's formulas) or release "
+                          f"(the released code's; SPEC, R_BAT presets)")
+    base = presets[c.preset]
     return base(mode=c.mode, gamma=float(c.gamma), delta=float(c.delta), beta=float(c.beta))
 
 

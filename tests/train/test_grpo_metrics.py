@@ -66,3 +66,18 @@ def test_metrics_row_from_stage_results():
     assert row["sandbox_idle_frac"] == pytest.approx(0.25) and row["device_idle_frac"] == pytest.approx(0.25)
     assert row["tokens_per_traj"] == pytest.approx(np.mean([len(x.tokens) for x in trajs]))
     assert "n" not in row
+
+
+def test_rbat_block_picks_the_named_preset_and_refuses_an_unknown_one():
+    from codedance_jax.errors import ConfigError
+    from codedance_jax.rl import RBATConfig
+    from codedance_jax.runs.grpo import rbat_config
+    from configs import grpo as grpo_configs
+
+    c = grpo_configs.get_config("tiny").rbat
+    for name, build in (("paper", RBATConfig.paper), ("release", RBATConfig.release)):
+        c.preset = name
+        assert rbat_config(c) == build(mode=c.mode, gamma=float(c.gamma), delta=float(c.delta), beta=float(c.beta))
+    c.preset = "relase"
+    with pytest.raises(ConfigError, match=r"config.rbat.preset='relase'.*paper.*release"):
+        rbat_config(c)
