@@ -40,7 +40,7 @@ from codedance_jax import sharding
 from codedance_jax.model import generate
 from codedance_jax.model.config import ModelConfig
 from codedance_jax.rollout.buckets import round_up, vision_bucket
-from codedance_jax.rollout.engine import RolloutConfig
+from codedance_jax.rollout.config import RolloutConfig
 from codedance_jax.rollout.sampler import Sampler, SamplingConfig, StopTable
 from codedance_jax.train import flops
 from codedance_jax.train import state as st

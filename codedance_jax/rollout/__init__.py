@@ -5,13 +5,15 @@
     trajectories, stats = engine.rollout([rl_prompt(processor, "q0", question, [image])], group_size=8, sandbox=pool)
     save_jsonl(trajectories, workdir)
 
-Files: sampler.py (jit decode loop, sampling, stop table), engine.py (the turn loop), turns.py (code
+Files: sampler.py (jit decode loop, sampling, stop table), engine.py (the turn loop), config.py (its
+budgets and buckets, RolloutConfig; its accounting, RolloutStats), turns.py (code
 extraction, observations), record.py (trajectory records, JSON lines), prompts.py (RL prompts; their text is `codedance_jax.protocol`),
 buckets.py (shape buckets, compile counter).
 """
 
 from codedance_jax.rollout.buckets import CompileCounter, vision_bucket
-from codedance_jax.rollout.engine import RolloutConfig, RolloutEngine, RolloutStats
+from codedance_jax.rollout.config import RolloutConfig, RolloutStats
+from codedance_jax.rollout.engine import RolloutEngine
 from codedance_jax.rollout.prompts import Prompt, rl_prompt, session_files, text_only_prompt
 from codedance_jax.rollout.record import Trajectory, load_jsonl, save_jsonl
 from codedance_jax.rollout.sampler import RowSampling, Sampler, SamplingConfig, StopTable, build_stop_table, sample
