@@ -23,6 +23,7 @@ A verifier returns True/False, or None to abstain. An empty or missing answer is
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -169,7 +170,23 @@ class Verifier(Protocol):
     ) -> bool | None: ...
 
 
+_PLAIN_WORDS = re.compile(r"[A-Za-z][A-Za-z\s]*")
+
+
 def _math_verify(pred: str, gold: str) -> bool | None:
+    """Symbolic equivalence of two answers (math-verify), None when it cannot tell.
+
+    Two plain words are not asked: math-verify reads a word as the product of its letters, so it
+    called anagrams equal ("listen" = "silent", "no" = "on", "ab" = "ba"); words are compared as
+    text by the caller. Results are memoised per pair: the same wrong answer recurs across a
+    group's rollouts, and one math-verify call costs ~0.1 s (1.1 s of a demo GRPO step's scoring)."""
+    if _PLAIN_WORDS.fullmatch(pred.strip()) and _PLAIN_WORDS.fullmatch(gold.strip()):
+        return None
+    return _math_verify_cached(pred, gold)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _math_verify_cached(pred: str, gold: str) -> bool | None:
     try:
         from math_verify import parse, verify
     except ImportError:

@@ -85,6 +85,7 @@ class _Row:
     traj: Trajectory
     uid: int
     session: Any = None
+    session_future: Any = None  # the session being opened in the background (`_open_sessions`)
     session_error: str | None = None
     phase: str = "decode"  # decode | queued | exec | ready | done | pad
     turn: int = 0
@@ -165,18 +166,15 @@ class RolloutEngine:
         self.logits = None
         self.script = script
         try:
-            self._prefill(prompts, group_size)
             self._open_sessions(prompts, group_size, sandbox)
+            self._prefill(prompts, group_size)
             self._loop()
         finally:
             for r in self.rows:
                 if r.future is not None:
                     r.future.cancel()
-                if r.session is not None:
-                    try:
-                        r.session.close()
-                    except Exception:  # noqa: BLE001 - closing is best effort; the pool cleans up
-                        pass
+                _close_later(r.session, r.session_future)
+                r.session = r.session_future = None
         st = self.stats
         st.wall_s = time.perf_counter() - t0
         st.sandbox_busy_s = _union_length(self._cells, t0, t0 + st.wall_s)
@@ -269,17 +267,33 @@ class RolloutEngine:
                 self._start_turn(r)
 
     def _open_sessions(self, prompts, group_size, sandbox):
+        """Start opening every row's session, in row order, on a background thread.
+
+        The pool hands sessions over one at a time (~25 ms each on 2 cores, measured: 64 took 1.6 s
+        whether opened from 1 thread or 8), and a row needs its session only when its first cell is
+        ready. Opened up front on the host thread, they held the device idle for that long every
+        rollout; in the background they overlap the prefill and the first turn's decoding.
+        `_session(r)` waits for a row's own."""
         files = [session_files(p.images) for p in prompts]
-        for i, r in enumerate(self.rows):
-            if r.phase == "pad":
-                continue
-            if sandbox is None:
+        if sandbox is None:
+            for r in self.rows:
                 r.session_error = "no sandbox was given to the rollout"
-                continue
+            return
+        opener = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-sessions")
+        for i, r in enumerate(self.rows):
+            if r.phase != "pad":
+                r.session_future = opener.submit(sandbox.new_session, files=files[i // group_size])
+        opener.shutdown(wait=False)  # the queued opens still run; the thread ends after the last
+
+    def _session(self, r: _Row):
+        """The row's session (waiting for it to open), or None with `session_error` set."""
+        if r.session_future is not None:
+            fut, r.session_future = r.session_future, None
             try:
-                r.session = sandbox.new_session(files=files[i // group_size])
+                r.session = fut.result()
             except Exception as e:  # noqa: BLE001 - a row without a session answers code with a crash
                 r.session_error = f"{type(e).__name__}: {e}"
+        return r.session
 
     # ------------------------------------------------------------------------------ row placement
     def _rows(self, x, batch_dim: int = 0):
@@ -560,7 +574,7 @@ class RolloutEngine:
             t.turns[-1]["code"] = block.code
             if block.code is None:
                 self._observe(r, "error", "", f"Error: malformed code block: {block.error}.", [])
-            elif r.session is None:
+            elif self._session(r) is None:
                 self._observe(r, "crashed", "", f"Error: the sandbox session is unavailable ({r.session_error}).", [])
             else:
                 r.code = block.code
@@ -709,6 +723,32 @@ class RolloutEngine:
             r.future.cancel()
             r.future = None
         self._finish(r, "error")
+
+
+_CLOSER: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _close_quietly(session) -> None:
+    try:
+        session.close()
+    except Exception:  # noqa: BLE001 - closing is best effort; the pool cleans up what is left
+        pass
+
+
+def _close_later(session, opening) -> None:
+    """Close a rollout's session off the caller's thread: a close waits until the session's
+    processes are gone (~18 ms each, 64 took 1.15 s one after another, 0.72 s on 4 threads), which
+    the next stage (scoring, the update) need not wait for. `opening`: a session still being
+    opened; it is cancelled, or closed once it opens."""
+    global _CLOSER
+    if session is None and opening is None:
+        return
+    if _CLOSER is None:
+        _CLOSER = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="rollout-close")
+    if session is not None:
+        _CLOSER.submit(_close_quietly, session)
+    if opening is not None and not opening.cancel():
+        opening.add_done_callback(lambda f: f.exception() is None and _CLOSER.submit(_close_quietly, f.result()))
 
 
 @jax.jit

@@ -73,6 +73,21 @@ def test_math_verify_symbolic():
     assert not RuleVerifier(use_math_verify=False)(r"\sqrt{2}/2", r"\frac{1}{\sqrt{2}}")
 
 
+def test_words_with_the_same_letters_are_different_answers():
+    """math-verify reads a word as the product of its letters; plain words compare as text only."""
+    import random
+
+    v = RuleVerifier()
+    for a, b in (("listen", "silent"), ("no", "on"), ("ab", "ba"), ("dusty red", "red dusty")):
+        assert not v(a, b) and not v(b, a), (a, b)
+    word = "".join(random.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(random.randint(3, 9)))
+    shuffled = "".join(random.sample(word, len(word)))
+    assert v(word, word.upper()) and v(shuffled, word) == (shuffled == word)
+    # Symbolic answers still go to math-verify, twice with the same verdict (memoised).
+    for _ in range(2):
+        assert v("2x", "x*2") and v(r"\frac{1}{2}", "0.5") and not v("2x", "x*3")
+
+
 def test_accuracy_reward_edge_cases():
     assert accuracy_reward("<think>…</think><answer>42</answer>", "42") == 1.0
     assert accuracy_reward("<answer></answer>", "42") == 0.0  # empty answer
