@@ -225,11 +225,11 @@ def grpo_drift(c, workdir: str, reference: str, run_dir: str) -> list[dict]:
         return []
     import codedance_jax
     from codedance_jax.rollout import load_jsonl
-    from codedance_jax.runs.grpo import trajectory_step
     from eval.drift import policy_drift
+    from eval.tool_analytics import record_step
 
     model, processor = codedance_jax.from_pretrained(reference)
-    rows = policy_drift(load_jsonl(path), model, processor, step_of=lambda t: trajectory_step({"policy": t.policy}),
+    rows = policy_drift(load_jsonl(path), model, processor, step_of=record_step,
                         temperature=float(c.grpo.rollout.temperature))
     with open(out, "w") as f:
         json.dump(rows, f, indent=2)

@@ -105,6 +105,7 @@ def open_context(config, workdir: str, run_setup) -> tuple[GRPOContext, setup.Ru
     the sandbox pool. `run_setup` collects what must be closed (an ExitStack)."""
     from codedance_jax.processing import Processor
     from data import rl_prompts
+    from eval.tool_analytics import record_step
     from sandbox import PoolThread
 
     rules, mesh = setup.sharding_rules(config), setup.make_mesh(config)
@@ -130,7 +131,7 @@ def open_context(config, workdir: str, run_setup) -> tuple[GRPOContext, setup.Ru
         drop_rows_after(os.path.join(workdir, "eval.jsonl"), run.start)
         for name in os.listdir(workdir):
             if name.startswith("trajectories") and name.endswith(".jsonl"):
-                drop_rows_after(os.path.join(workdir, name), run.start, step_of=trajectory_step)
+                drop_rows_after(os.path.join(workdir, name), run.start, step_of=lambda r: record_step(r) or 0)
     ref_params = run.initial_params
     source = rl_prompts.open_prompts(files["tfds_dir"], config.data.name)
     eval_prompts = []
@@ -150,12 +151,6 @@ def open_context(config, workdir: str, run_setup) -> tuple[GRPOContext, setup.Ru
                       buckets, source, rl_prompts.PromptSchedule(len(source), config.prompts_per_step, config.seed),
                       engine, pool, rows, ref_params)
     return ctx, run, eval_engine, eval_prompts
-
-
-def trajectory_step(record: dict) -> int:
-    """The step (1-based, as metrics rows count) whose rollouts a saved trajectory is: it names its
-    sampling policy `policies/step_{k}`, exported during step k + 1."""
-    return int(record["policy"].rsplit("step_", 1)[1]) + 1
 
 
 def policy_path(workdir: str) -> str:
