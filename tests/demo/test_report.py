@@ -330,7 +330,11 @@ def test_grpo_step_rates_with_intervals(tmp_path):
                              for i in range(6)))
     recs = []
     for step in range(3):
-        for i in rng.choice(6, size=3, replace=False):
+        # Each step draws one hard (even id) and one easy (odd id) prompt and a third of either, so every
+        # step has both difficulties and their intervals exist.
+        hard_i, easy_i = rng.choice([0, 2, 4]), rng.choice([1, 3, 5])
+        third = rng.choice([i for i in range(6) if i not in (hard_i, easy_i)])
+        for i in (hard_i, easy_i, third):
             for _ in range(4):  # a group of 4 rollouts per prompt
                 recs.append({"prompt_id": f"rl-{i}@{step // 2}", "policy": f"/w/grpo/policies/step_{step}",
                              "correct": bool(rng.random() < 0.5),
@@ -342,8 +346,8 @@ def test_grpo_step_rates_with_intervals(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["n"] == 12 for r in rows)
     second = [r for r in recs if r["policy"].endswith("step_1")]
     hard = [r for r in second if diff[r["prompt_id"].split("@")[0]]["difficulty"] == "hard"]
-    if hard:  # GRPO's `{id}@{epoch}` prompt ids find their metadata
-        assert rows[1]["difficulty=hard/accuracy"] == pytest.approx(np.mean([r["correct"] for r in hard]))
+    assert hard  # GRPO's `{id}@{epoch}` prompt ids find their metadata
+    assert rows[1]["difficulty=hard/accuracy"] == pytest.approx(np.mean([r["correct"] for r in hard]))
     want = rate_intervals(second, [diff[r["prompt_id"].split("@")[0]] for r in second], ("difficulty",))
     assert rows[1]["difficulty=hard/accuracy_ci95"] == pytest.approx(want["difficulty=hard/accuracy_ci95"])
     assert rows[1]["accuracy_ci95"] == pytest.approx(want["accuracy_ci95"])
