@@ -1,5 +1,6 @@
 """`launch.grpo` on 2 processes x 4 CPU devices (gloo on 127.0.0.1) equals 1 process x 8 devices,
-and a kill -9 of both processes after a checkpoint resumes to the same next step.
+and a kill -9 of both processes after a checkpoint resumes to the same next step. This is the suite's
+GRPO kill -9 + resume test (a single-process one in test_grpo_loop.py repeated it for ~50 CPU-seconds).
 
 One reference run (1 process, 8 devices, 2 steps) is shared by both comparisons: the 2-process
 run is killed once step 1's checkpoint exists, its step 1 is compared with the reference's, then
@@ -94,16 +95,17 @@ def test_two_processes_equal_one_and_resume_after_sigkill(tmp_path):
     ckpt1 = os.path.join(mp, "checkpoints", "1")
     deadline = time.time() + 600
 
-    def step1_done():  # the metrics row is written before the checkpoint: wait for both
-        return os.path.isdir(ckpt1) and 1 in _rows(mp)
-
-    while not step1_done() and all(p.poll() is None for p in procs) and time.time() < deadline:
-        time.sleep(0.05)
+    # Killed as soon as step 1's checkpoint is committed (orbax renames its temporary directory to
+    # "1" last). A step writes its metrics row before it checkpoints, so row 1 must be there: a loop
+    # that saved first would lose the row here, and the resumed run would not write it again.
+    while not os.path.isdir(ckpt1) and all(p.poll() is None for p in procs) and time.time() < deadline:
+        time.sleep(0.02)
     for p in procs:
         os.killpg(p.pid, signal.SIGKILL)
     outs = [p.communicate()[0] for p in procs]
     assert os.path.isdir(ckpt1), "no checkpoint at step 1 before the kill:\n" + outs[0][-3000:]
     assert not os.path.isdir(os.path.join(mp, "checkpoints", "2")), "step 2 finished before the kill; nothing was resumed"
+    assert 1 in _rows(mp), "step 1's checkpoint exists but its metrics row does not"
 
     procs = _two_processes(mp)
     outs = [p.communicate(timeout=600)[0] for p in procs]
