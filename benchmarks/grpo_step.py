@@ -143,7 +143,8 @@ def demo_case(args):
     gcfg.prompts_per_step, gcfg.group_size = n_prompts, group
     from codedance_jax.processing import Processor
 
-    with SandboxPool(num_workers=int(c.grpo.sandbox_workers), timeout_s=10.0, memory_mb=1024) as pool:
+    sb = c.grpo.sandbox
+    with SandboxPool(num_workers=int(sb.num_workers), timeout_s=float(sb.timeout_s), memory_mb=int(sb.memory_mb)) as pool:
         world = os.path.join(work, "world")
         generate_world(world, n_sft=n_prompts, n_rl=1, n_eval=1, seed=0, pool=pool, max_pixels=c.world.max_pixels)
         processor = Processor.from_pretrained(os.path.join(world, "processor"), padding_side="left")
