@@ -40,7 +40,10 @@ def _trajectories(rng, n_per_group=3, evil_at=0):
             for j in range(n_per_group):
                 i = len(out)
                 tool = diff == "hard" or rng.random() < 0.5
-                status = ([str(rng.choice(["ok", "ok", "error"]))] if tool else []) + ["no_code"]
+                # The first record of each hard group (always correct, so always shown) fails its cell:
+                # the page must show a traceback whatever the other records draw.
+                first = "error" if (diff, j) == ("hard", 0) else str(rng.choice(["ok", "ok", "error"]))
+                status = ([first] if tool else []) + ["no_code"]
                 turns = []
                 images = [_image(rng, 28 * int(rng.integers(2, 5)))]
                 for st in status:

@@ -49,7 +49,9 @@ def _perturbed(model, scale):
 
 def test_estimators_average_to_the_exact_kl():
     rng = np.random.default_rng()
-    p, q = rng.dirichlet(np.ones(6)), rng.dirichlet(np.ones(6))
+    # Half uniform, so every probability is >= 1/12 and q/p <= 7: with a tiny p_i the k3 average is
+    # heavy-tailed and missed the tolerance in ~0.4% of draws (simulated).
+    p, q = (0.5 * rng.dirichlet(np.ones(6)) + 0.5 / 6 for _ in range(2))
     x = rng.choice(6, size=400_000, p=p)
     k1, k3 = token_estimates(np.log(p[x]), np.log(q[x]))
     exact = float(np.sum(p * np.log(p / q)))

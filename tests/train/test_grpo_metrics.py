@@ -23,6 +23,7 @@ def test_metrics_row_from_stage_results():
     b = g * n_prompts
     choices = [["no_code"], ["ok", "no_code"], ["error", "ok", "no_code"], ["timeout", "no_code"]]
     statuses = [choices[int(k)] for k in rng.integers(0, len(choices), b)]
+    statuses[int(rng.integers(b))] = choices[int(rng.integers(1, len(choices)))]  # >= 1 executed cell
     trajs = [_traj(rng, i, s) for i, s in enumerate(statuses)]
     acc = rng.integers(0, 2, b).astype(np.float32)
     acc[:g] = [1, 1, 1, 1]  # group 0: all correct (not mixed)
