@@ -41,6 +41,8 @@ def _noise_image(seed: int, size=(96, 72)) -> Image.Image:
 @pytest.fixture(scope="module")
 def reference(tiny_ckpt):
     """The rollout engine over the same checkpoint, greedy, one turn: what the server must reproduce."""
+    from flax import nnx
+
     import codedance_jax
     from codedance_jax.rollout import Prompt, RolloutConfig, RolloutEngine, SamplingConfig
 
@@ -61,6 +63,8 @@ def reference(tiny_ckpt):
             ids, lps = ids[: eos[0]], lps[: eos[0]]
         return processor.decode(ids, skip_special_tokens=True), ids, lps, traj.prompt_len
 
+    forward = nnx.jit(lambda m, *a: m.forward(*a))
+
     def margin(question: str, images: list, max_tokens: int) -> tuple[float, int]:
         """(smallest top-1 minus top-2 logit over the greedy reply's steps, reply length): a near-tie
         can flip between two programs that agree to float noise (other cache lengths and batches)."""
@@ -71,11 +75,16 @@ def reference(tiny_ckpt):
         text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
         (traj,), _ = RolloutEngine(model, processor, cfg, SamplingConfig(greedy=True)).rollout(
             [Prompt("p", text, images)], group_size=1)
-        seq = np.asarray([traj.tokens])
+        # Right-padded to one length, so every drawn question reuses one compiled forward (causal:
+        # padding after the reply does not change its logits).
+        n = len(traj.tokens)
+        seq = np.full((1, -(-n // 128) * 128), processor.pad_id, np.int64)
+        seq[0, :n] = traj.tokens
+        mask = (np.arange(seq.shape[1]) < n)[None].astype(np.int64)
         pv, grid = processor.encode_images(traj.images) if traj.images else (None, None)
-        p = model.prepare(seq, np.ones_like(seq), pv, grid)
-        logits = np.asarray(model.forward(p["input_ids"], p["positions"], p["attention_mask"], p["vis"]), np.float32)
-        top2 = np.sort(logits[0, traj.prompt_len - 1 : len(traj.tokens) - 1], axis=-1)[:, -2:]
+        p = model.prepare(seq, mask, pv, grid)
+        logits = np.asarray(forward(model, p["input_ids"], p["positions"], p["attention_mask"], p["vis"]), np.float32)
+        top2 = np.sort(logits[0, traj.prompt_len - 1 : n - 1], axis=-1)[:, -2:]
         return float((top2[:, 1] - top2[:, 0]).min()), len(traj.tokens) - traj.prompt_len
 
     run.margin = margin
