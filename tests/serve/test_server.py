@@ -48,14 +48,24 @@ def reference(tiny_ckpt):
 
     model, processor = codedance_jax.from_pretrained(tiny_ckpt)
 
+    rollouts = {}
+
+    def greedy(question: str, images: list, max_tokens: int):
+        """The engine's greedy trajectory, once per (question, images, budget): `margin` and `run`
+        ask for the same one."""
+        key = (question, tuple(map(id, images)), max_tokens)
+        if key not in rollouts:
+            cfg = RolloutConfig(max_turns=1, max_turn_tokens=max_tokens, max_new_tokens=max_tokens,
+                                max_total_tokens=MAX_CONTEXT, decode_chunk=8, prompt_buckets=(256, 512, 1024),
+                                batch_multiple=1)
+            eng = RolloutEngine(model, processor, cfg, SamplingConfig(greedy=True))
+            content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
+            text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+            (rollouts[key],), _ = eng.rollout([Prompt("p", text, images)], group_size=1)
+        return rollouts[key]
+
     def run(question: str, images: list, max_tokens: int):
-        cfg = RolloutConfig(max_turns=1, max_turn_tokens=max_tokens, max_new_tokens=max_tokens,
-                            max_total_tokens=MAX_CONTEXT, decode_chunk=8, prompt_buckets=(256, 512, 1024),
-                            batch_multiple=1)
-        eng = RolloutEngine(model, processor, cfg, SamplingConfig(greedy=True))
-        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
-        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-        (traj,), _ = eng.rollout([Prompt("p", text, images)], group_size=1)
+        traj = greedy(question, images, max_tokens)
         ids = traj.tokens[traj.prompt_len :]
         lps = traj.logprobs[traj.prompt_len :]
         eos = [k for k, t in enumerate(ids) if t in (processor.eos_id, processor.tokenizer.encode("<|endoftext|>")[0])]
@@ -68,13 +78,7 @@ def reference(tiny_ckpt):
     def margin(question: str, images: list, max_tokens: int) -> tuple[float, int]:
         """(smallest top-1 minus top-2 logit over the greedy reply's steps, reply length): a near-tie
         can flip between two programs that agree to float noise (other cache lengths and batches)."""
-        cfg = RolloutConfig(max_turns=1, max_turn_tokens=max_tokens, max_new_tokens=max_tokens,
-                            max_total_tokens=MAX_CONTEXT, decode_chunk=8, prompt_buckets=(256, 512, 1024),
-                            batch_multiple=1)
-        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
-        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-        (traj,), _ = RolloutEngine(model, processor, cfg, SamplingConfig(greedy=True)).rollout(
-            [Prompt("p", text, images)], group_size=1)
+        traj = greedy(question, images, max_tokens)
         # Right-padded to one length, so every drawn question reuses one compiled forward (causal:
         # padding after the reply does not change its logits).
         n = len(traj.tokens)
