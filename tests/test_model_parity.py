@@ -19,6 +19,20 @@ def test_text_only(tiny_pair):
     assert rel_err(ours(ids, mask), ref_logits(ref, ids, mask)) <= TOL
 
 
+def test_long_left_padded_rows_cross_the_causal_blocks(tiny_pair):
+    """Rows longer than text.CAUSAL_BLOCK take the blocked causal attention (a partial last block);
+    left padding puts rows that see no key inside the first blocks."""
+    from codedance_jax.model import text
+
+    ref, ours, cfg = tiny_pair
+    rng = np.random.default_rng(15)
+    lens = (2 * text.CAUSAL_BLOCK + 23, text.CAUSAL_BLOCK + 5, 17)
+    ids, mask = left_pad([list(rng.integers(10, 5000, n)) for n in lens])
+    assert ids.shape[1] > 2 * text.CAUSAL_BLOCK
+    keep = mask.astype(bool)
+    assert rel_err(np.asarray(ours(ids, mask))[keep], ref_logits(ref, ids, mask)[keep]) <= TOL
+
+
 def test_one_image(tiny_pair):
     ref, ours, cfg = tiny_pair
     rng = np.random.default_rng(12)
