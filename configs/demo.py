@@ -61,6 +61,9 @@ def get_config(preset: str = "default") -> ml_collections.ConfigDict:
     s.data.synthetic = 0  # data.jsonl: the world's SFT trajectories, filled in by the pipeline
     s.data.max_pixels = c.world.get_ref("max_pixels")
     s.data.buckets = ((96, 16, 4), (192, 32, 8), (256, 64, 16), (448, 64, 16))
+    # 600 steps x 16 = 6 epochs of the 1600 trajectories: featurize each once (~0.9 GB of float32
+    # pixels; measured 62 ms of CPU a batch, 37 s of the phase on 2 cores, WORKSPACE.md issue 14).
+    s.data.cache_mb = 2048
     if mini:  # one bucket of each kind here and below: each one is a compile, and mini learns nothing
         s.data.buckets = s.data.buckets[-1:]
     # data.pack (rows of several examples) stays off: measured side by side (benchmarks/sft_step.py

@@ -51,6 +51,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         # at least the largest bucket in every field (segment-masked; same examples, same loss); () = off.
         pack=(),
         pack_row_multiple=1,  # packed batches have a multiple of this many rows per host (fewer shapes)
+        # Keep featurized examples (decoded, processed pixels and tokens) in memory up to this many
+        # MB per host, so later epochs skip featurization; 0 = off (real datasets exceed any cache).
+        cache_mb=0,
     ))
     c.checkpoint = ml_collections.ConfigDict(dict(every_steps=50, keep=3, async_save=True))
     c.export_policy = True  # write WORKDIR/policy (a converted checkpoint) when training ends

@@ -155,6 +155,7 @@ def make_sft_iterator(
     group_window: int = 1,
     pack: Sequence[int] = (),
     pack_row_multiple: int = 1,
+    cache_mb: float = 0,
 ) -> SftIterator:
     """Batches for the SFT step.
 
@@ -174,6 +175,10 @@ def make_sft_iterator(
         field: each batch's examples are packed into rows of it (`train.packing.pack_examples`,
         `batching.collate_packed`, with `segment_ids`) instead of one padded row each; the batch
         then has a multiple of `pack_row_multiple` rows (the same on every host). () = off.
+      cache_mb: keep featurized examples in memory up to this many MB (pixels, ids, positions), so
+        that later epochs skip the PIL decode, image processing and tokenization (~4 ms an example
+        on these 2-core VMs: 37 s of the demo SFT's 600 steps, taken from the training step's
+        cores). The examples and their order are the same with or without it; 0 = off.
     """
     if shard_index is None or shard_count is None:
         import jax
@@ -201,8 +206,24 @@ def make_sft_iterator(
     report = DataReport()
     lock = threading.Lock()
 
-    def featurize(record) -> Example:
-        return features.featurize(sft_tfds.to_trajectory(record), processor, model_cfg, buckets, turn_format)
+    records = grain.MapDataset.source(source)[shard_index::shard_count]
+    n_records = len(records)
+    cache: dict[int, Example] = {}
+    cached_bytes = [0]
+
+    def featurize(i) -> Example:
+        # The pipeline shuffles record *indices* (the same permutation as shuffling the records),
+        # so an example can be cached by index across epochs.
+        i = int(i)
+        ex = cache.get(i)
+        if ex is None:
+            ex = features.featurize(sft_tfds.to_trajectory(records[i]), processor, model_cfg, buckets, turn_format)
+            size = sum(x.nbytes for x in (ex.input_ids, ex.trained, ex.positions, ex.pixel_values, ex.grid_thw))
+            with lock:
+                if cached_bytes[0] + size <= cache_mb * 2**20:
+                    cache[i] = ex
+                    cached_bytes[0] += size
+        return ex
 
     kept = [0]
 
@@ -225,9 +246,7 @@ def make_sft_iterator(
                                 "add a larger bucket to --config.data.buckets")
         return False
 
-    ds = grain.MapDataset.source(source)[shard_index::shard_count]
-    n_records = len(ds)
-    ds = ds.shuffle(seed=seed).repeat(num_epochs).map(featurize)
+    ds = grain.MapDataset.range(n_records).shuffle(seed=seed).repeat(num_epochs).map(featurize)
     opts = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
     it_ds = ds.to_iter_dataset(opts).filter(fits)
     return SftIterator(

@@ -111,6 +111,7 @@ def make_data(config, processor, cfg: ModelConfig, workdir: str, per_host_batch:
         seed=config.seed, num_epochs=None, on_error=d.on_error, turn_format=d.turn_format,
         group_window=d.get("group_window", 1), pack=pack,
         pack_row_multiple=math.lcm(int(d.get("pack_row_multiple", 1)), row_multiple),
+        cache_mb=float(d.get("cache_mb", 0)),
     )
     return it, len(source)
 
