@@ -105,3 +105,28 @@ def test_a_remat_policy_decodes_in_the_jitted_loop_like_a_plain_one():
         last, cache = extend_host(model, model.init_cache(batch=2, max_len=16), ids, last_only=True)
         out.append(np.asarray(greedy_decode(model, cache, last, 4)[0]))
     np.testing.assert_array_equal(out[1], out[0])
+
+
+def test_fresh_prefill_of_long_left_padded_prompts_equals_full_forward(tiny_pair):
+    """A prompt into an empty cache attends within itself (blocked causal attention over its own
+    keys, `extend(fresh=True)`); prompts longer than two blocks, left-padded, then two decode steps
+    that read the cache it wrote."""
+    from codedance_jax.model import text
+
+    _, model, cfg = tiny_pair
+    rng = np.random.default_rng(31)
+    rows = [list(rng.integers(10, 5000, n)) for n in (2 * text.CAUSAL_BLOCK + 9, text.CAUSAL_BLOCK - 3)]
+    ids, mask = left_pad(rows)
+    cache = model.init_cache(batch=2, max_len=ids.shape[1] + 8)
+    logits_pre, cache = extend_host(model, cache, ids, mask)
+    seqs = [list(r) for r in rows]
+    got = [[lg for lg, m in zip(np.asarray(logits_pre[b]), mask[b], strict=True) if m] for b in range(2)]
+    for _ in range(2):
+        tok = rng.integers(10, 5000, 2)
+        lg, cache = decode_step(model, cache, jnp.asarray(tok, jnp.int32))
+        for b in range(2):
+            seqs[b].append(int(tok[b]))
+            got[b].append(np.asarray(lg[b]))
+    for b in range(2):
+        full = np.asarray(model(np.array([seqs[b]]), None))[0]
+        assert rel_err(np.stack(got[b]), full) <= 1e-4

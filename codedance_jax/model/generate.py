@@ -32,13 +32,13 @@ def encode_jit(model: Qwen25VL, vis: VisionInputs):
     return model.encode_images(vis)
 
 
-@functools.partial(nnx.jit, static_argnames=("last_only",), donate_argnames=("cache",), graph=False)
-def extend_jit(model: Qwen25VL, cache: KVCache, ids, mask, positions, feats, last_only: bool):
+@functools.partial(nnx.jit, static_argnames=("last_only", "fresh"), donate_argnames=("cache",), graph=False)
+def extend_jit(model: Qwen25VL, cache: KVCache, ids, mask, positions, feats, last_only: bool, fresh: bool = False):
     if last_only:
         # Last real token of each row (chunks may be right-padded within the row).
         last = jnp.maximum(jnp.sum(jnp.cumsum(mask[:, ::-1], axis=1) > 0, axis=1) - 1, 0)
-        return model.extend(cache, ids, mask, positions, feats, logits_at=last)
-    return model.extend(cache, ids, mask, positions, feats)
+        return model.extend(cache, ids, mask, positions, feats, logits_at=last, fresh=fresh)
+    return model.extend(cache, ids, mask, positions, feats, fresh=fresh)
 
 
 def extend_host(model: Qwen25VL, cache: KVCache, input_ids, chunk_mask=None, pixel_values=None,
@@ -59,7 +59,9 @@ def extend_host(model: Qwen25VL, cache: KVCache, input_ids, chunk_mask=None, pix
     feats = None
     if pixel_values is not None:
         feats = encode_jit(model, VisionInputs.build(pixel_values, image_grid_thw, cfg, **bucket))
-    return extend_jit(model, cache, jnp.asarray(ids, jnp.int32), jnp.asarray(mask), jnp.asarray(pos), feats, last_only)
+    fresh = int(cache.index) == 0 and not bool(jnp.any(cache.valid))  # a prompt into an empty cache
+    return extend_jit(model, cache, jnp.asarray(ids, jnp.int32), jnp.asarray(mask), jnp.asarray(pos), feats, last_only,
+                      fresh)
 
 
 def decode_step(model: Qwen25VL, cache: KVCache, tokens_b, active_b=None):
@@ -154,10 +156,12 @@ def encode_vision(model: Qwen25VL, vis: VisionInputs):
     return encode_jit(model, vis)
 
 
-def extend_arrays(model: Qwen25VL, cache: KVCache, ids, mask, positions, feats=None, *, last_only: bool = True):
-    """`extend` with host-computed positions int[3, B, C]; last_only gives each row's last real token's logits."""
+def extend_arrays(model: Qwen25VL, cache: KVCache, ids, mask, positions, feats=None, *, last_only: bool = True,
+                  fresh: bool = False):
+    """`extend` with host-computed positions int[3, B, C]; last_only gives each row's last real token's logits;
+    fresh: the caller knows the cache is empty (a prompt prefill; see `Qwen25VL.extend`)."""
     return extend_jit(model, cache, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32), jnp.asarray(positions),
-                   feats, last_only)
+                      feats, last_only, fresh)
 
 
 # ------------------------------------------------------------------ row subsets of a batch cache

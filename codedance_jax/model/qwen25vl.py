@@ -126,10 +126,10 @@ class Qwen25VL(nnx.Module):
         w = shd.gather_param(self.embed, h_btd.dtype).T if self.lm_head is None else shd.gather_param(self.lm_head, h_btd.dtype)
         return matmul(h_btd, w)
 
-    def _decoder(self, x, positions_3bt, mask, caches=None, index=None):
+    def _decoder(self, x, positions_3bt, mask, caches=None, index=None, fresh=False):
         t = self.cfg.text
         cos, sin = rope.mrope_cos_sin(positions_3bt, t.head_dim, t.rope_theta, t.mrope_section)
-        layer_fn = lambda layer, x, kv: layer(x, cos, sin, mask, kv, index)  # noqa: E731
+        layer_fn = lambda layer, x, kv: layer(x, cos, sin, mask, kv, index, fresh)  # noqa: E731
         # Remat only where a backward pass follows (the cache-free training forward). A cache step is
         # inference: remat buys nothing there, and nnx.remat inside the sampler's while loop fails
         # (TraceContextError: the Params belong to the jit's trace), so a remat'ed policy could not decode.
@@ -191,8 +191,12 @@ class Qwen25VL(nnx.Module):
             next_pos=jnp.zeros((batch,), jnp.int32),
         )
 
-    def extend(self, cache: KVCache, input_ids, chunk_mask, positions, image_feats=None, *, logits_at=None):
+    def extend(self, cache: KVCache, input_ids, chunk_mask, positions, image_feats=None, *, logits_at=None,
+               fresh: bool = False):
         """Writes a chunk [B, C] at `cache.index`, returns (logits, cache).
+
+        fresh (static): the cache is empty (index 0, nothing valid), as for a prompt prefill: the
+        chunk attends within itself (blocked causal attention over C keys, not the S slots).
 
         chunk_mask [B, C]: 1 for real tokens (0 leaves a hole: padding, or a row sitting out).
         positions int[3, B, C]: M-RoPE ids (from `rope.mrope_positions(..., start=cache.next_pos)`).
@@ -202,9 +206,9 @@ class Qwen25VL(nnx.Module):
         c = input_ids.shape[1]
         chunk_mask = chunk_mask.astype(bool)
         valid = jax.lax.dynamic_update_slice(cache.valid, chunk_mask, (0, cache.index))
-        mask = text.cache_mask(valid, cache.index, c)
+        mask = text.causal_mask(chunk_mask) if fresh else text.cache_mask(valid, cache.index, c)
         x = self.embed_tokens(input_ids, image_feats)
-        h, kvs = self._decoder(x, positions, mask, list(zip(cache.k, cache.v, strict=True)), cache.index)
+        h, kvs = self._decoder(x, positions, mask, list(zip(cache.k, cache.v, strict=True)), cache.index, fresh)
         chunk_next = jnp.max(jnp.where(chunk_mask, positions.max(axis=0), -1), axis=1) + 1
         new_cache = KVCache(
             k=tuple(kv[0] for kv in kvs),

@@ -35,9 +35,11 @@ class Attention(nnx.Module):
         self.groups = n // k
         self.scale = h**-0.5
 
-    def __call__(self, x_btd, cos_bth, sin_bth, mask_bts, kv_cache=None, index=None):
+    def __call__(self, x_btd, cos_bth, sin_bth, mask_bts, kv_cache=None, index=None, fresh=False):
         """Returns (out [B, T, D], (k, v) heads-major [B, K, T or S, H]); with kv_cache=(k [B, K, S, H], v)
-        the chunk is written at slots [index, index + T)."""
+        the chunk is written at slots [index, index + T). fresh: the cache holds nothing before the
+        chunk (a prompt prefill), so the chunk attends to its own keys only, with the cache-free
+        forward's blocked causal attention (mask_bts is then the chunk's [B, T, T] causal mask)."""
         dt = x_btd.dtype
         q = matmul(x_btd, shd.gather_param(self.q_kernel, dt)) + shd.gather_param(self.q_bias, dt)  # [B, T, N, H]
         k = matmul(x_btd, shd.gather_param(self.k_kernel, dt)) + shd.gather_param(self.k_bias, dt)
@@ -45,11 +47,16 @@ class Attention(nnx.Module):
         cos, sin = cos_bth[:, :, None], sin_bth[:, :, None]
         q, k = rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin)
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H]: only the new chunk moves
+        kc, vc = k, v
         if kv_cache is not None:
             ck, cv = kv_cache
             k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, index, 0))
             v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, index, 0))
-        o = self._attend_heads_major(q, k.astype(dt), v.astype(dt), mask_bts, causal=kv_cache is None)
+        if kv_cache is None or fresh:  # the chunk's own keys, as stored (a bf16 cache rounds them)
+            ka, va = (kc, vc) if kv_cache is None else (kc.astype(k.dtype), vc.astype(v.dtype))
+            o = self._attend_heads_major(q, ka.astype(dt), va.astype(dt), mask_bts, causal=True)
+        else:
+            o = self._attend_heads_major(q, k.astype(dt), v.astype(dt), mask_bts, causal=False)
         return matmul(o, shd.gather_param(self.o_kernel, dt), n_in=2), (k, v)
 
     def _attend_heads_major(self, q, k, v, mask_bts, *, causal: bool):
@@ -61,8 +68,8 @@ class Attention(nnx.Module):
         every decoded token transposed the whole cache of every layer (at 64 rows x 640 slots on the
         toy model, 9.7 of a step's 25 ms), where now only the new chunk is transposed.
 
-        causal (the cache-free forward, S = T, every mask it builds is lower-triangular: causal or
-        causal within segments): queries go in blocks of CAUSAL_BLOCK rows and block i only meets
+        causal (the cache-free forward or a fresh cache's prefill, S = T, every mask built for them is
+        lower-triangular: causal or causal within segments): queries go in blocks of CAUSAL_BLOCK rows and block i only meets
         keys [0, end of block i), skipping the upper triangle. The [.., T, S] softmax elementwise
         work dominated attention in a training step; blocks do ~(n+1)/2n of it on tiles that stay
         in cache: 16 x 256 forward+backward 2.1x faster, 16 x 448 2.0x (issue 14). Rows are
@@ -93,8 +100,8 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", dtype=dtype)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, ("embed", "mlp"), bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, mask, kv_cache=None, index=None):
-        a, kv = self.attn(self.input_norm(x), cos, sin, mask, kv_cache, index)
+    def __call__(self, x, cos, sin, mask, kv_cache=None, index=None, fresh=False):
+        a, kv = self.attn(self.input_norm(x), cos, sin, mask, kv_cache, index, fresh)
         x = x + a
         return x + self.mlp(self.post_attn_norm(x)), kv
 

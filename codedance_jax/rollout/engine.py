@@ -392,7 +392,7 @@ class RolloutEngine:
             t0 += time.perf_counter() - tv
         if src is not None:  # prefill once per prompt, then share the rows
             small = self._init_cache(ids.shape[0], self.cache.max_len, self.cache.k[0].dtype)
-            logits, small = extend_arrays(self.model, small, ids, mask, pos, feats, last_only=True)
+            logits, small = extend_arrays(self.model, small, ids, mask, pos, feats, last_only=True, fresh=True)
             self.cache, self.logits = broadcast_rows(small, logits, jnp.asarray(src), jnp.asarray(rows_b))
             rows_next = [(i, next_pos[src[i]]) for i in range(b) if rows_b[i]]
         elif sel is not None:
