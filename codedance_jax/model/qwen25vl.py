@@ -37,6 +37,9 @@ class VisionInputs:
     pos_hw: jax.Array  # int32[G, W*U*Q, 2]
     image_id: jax.Array  # int32[G, W*U]
     out_index: jax.Array  # int32[G, N]
+    # int32[B, N'] (optional): placeholder j of row b takes feature feat_src[b, j] of the flattened
+    # [G * N, D] output (images encoded once and shared by several rows: `packing.share_images`).
+    feat_src: jax.Array | None = None
 
     @classmethod
     def build(cls, pixel_values, image_grid_thw, cfg: ModelConfig, **bucket) -> VisionInputs:
@@ -95,8 +98,12 @@ class Qwen25VL(nnx.Module):
 
     # ------------------------------------------------------------ pieces
     def encode_images(self, vis: VisionInputs) -> jax.Array:
-        """float[G, N, D]: one embedding per image placeholder token of each group, in order."""
-        return self.visual(vis.pixel_values, vis.unit_src, vis.pos_hw, vis.image_id, vis.out_index, dtype=self.cfg.compute_dtype)
+        """float[G, N, D]: one embedding per image placeholder token of each group, in order (with
+        `feat_src`: [B, N', D], row b's placeholders' features gathered from every group's)."""
+        f = self.visual(vis.pixel_values, vis.unit_src, vis.pos_hw, vis.image_id, vis.out_index, dtype=self.cfg.compute_dtype)
+        if vis.feat_src is None:
+            return f
+        return f.reshape(-1, f.shape[-1])[vis.feat_src]
 
     def embed_tokens(self, ids_bt, image_feats_gnd=None):
         """Token embeddings with image features scattered into the placeholder slots.

@@ -212,8 +212,10 @@ def batch(ctx: GRPOContext, ro: Rollouts, scores: Scores, step: int) -> GRPOBatc
                          f"image tokens, windows), more than config.buckets={ctx.config.buckets}; raise the buckets "
                          f"to cover the rollout budgets (rollout.max_total_tokens, obs_max_pixels, max_turns)")
     bucket = ctx.buckets[max_bucket_across_hosts(max(e.bucket for e in exs))]
+    whole = None if int(ctx.config.grad_accum) == 1 else False  # packed rows, shared images: no micro-batches
     local = rl_batch.grpo_batch(trajs, ctx.processor, ctx.cfg, ctx.buckets, scores.a_seq, scores.a_turn,
-                                bucket=bucket, examples=exs)
+                                bucket=bucket, examples=exs, pack=whole, share_images=whole,
+                                row_multiple=ctx.mesh.shape["data"] * ctx.mesh.shape["fsdp"])
     local = rl_batch.pad_rows(local, ctx.rows // ctx.hosts)
     local.pop("num_tokens", None)
     shardings = sft.batch_shardings(local, ctx.mesh, ctx.rules)

@@ -97,10 +97,13 @@ class Example:
 
 
 def collate(
-    examples: Sequence[Example], bucket: Bucket, *, pad_id: int, vision_cfg: VisionConfig
+    examples: Sequence[Example], bucket: Bucket, *, pad_id: int, vision_cfg: VisionConfig, vision: bool = True
 ) -> dict[str, np.ndarray]:
-    """Pad `examples` into one batch of shape `bucket` (see the module docstring for the contract)."""
-    batch = _collate_rows([[ex] for ex in examples], len(examples), bucket, pad_id=pad_id, vision_cfg=vision_cfg)
+    """Pad `examples` into one batch of shape `bucket` (see the module docstring for the contract).
+    vision=False leaves out the per-row vision fields (the caller lays the images out itself:
+    `packing.share_images`)."""
+    batch = _collate_rows([[ex] for ex in examples], len(examples), bucket, pad_id=pad_id, vision_cfg=vision_cfg,
+                          vision=vision)
     del batch["segment_ids"]
     return batch
 
@@ -120,7 +123,8 @@ def collate_packed(
                          vision_cfg=vision_cfg)
 
 
-def _collate_rows(rows, bsz: int, bucket: Bucket, *, pad_id: int, vision_cfg: VisionConfig) -> dict[str, np.ndarray]:
+def _collate_rows(rows, bsz: int, bucket: Bucket, *, pad_id: int, vision_cfg: VisionConfig,
+                  vision: bool = True) -> dict[str, np.ndarray]:
     t, nb, wb = bucket
     q, u, pd = vision_cfg.merge_unit, vision_cfg.window_merged**2, vision_cfg.patch_dim
     batch = {
@@ -136,6 +140,9 @@ def _collate_rows(rows, bsz: int, bucket: Bucket, *, pad_id: int, vision_cfg: Vi
         "out_index": np.zeros((bsz, nb), np.int32),
         "segment_ids": np.zeros((bsz, t), np.int32),
     }
+    if not vision:
+        for k in ("pixel_values", "unit_src", "pos_hw", "image_id", "out_index"):
+            del batch[k]
     for b, row in enumerate(rows):
         need = Bucket(*(sum(getattr(ex.needs, f) for ex in row) for f in Bucket._fields))
         if need.tokens > t or need.image_tokens > nb or need.windows > wb:
@@ -150,8 +157,11 @@ def _collate_rows(rows, bsz: int, bucket: Bucket, *, pad_id: int, vision_cfg: Vi
             batch["targets"][b, s : s + n - 1] = ex.input_ids[1:]
             batch["loss_mask"][b, s : s + n - 1] = ex.trained[1:]
             batch["positions"][:, b, s : s + n] = ex.positions
-            batch["pixel_values"][b, p : p + len(ex.pixel_values)] = ex.pixel_values
+            if vision:
+                batch["pixel_values"][b, p : p + len(ex.pixel_values)] = ex.pixel_values
             s, p = s + n, p + len(ex.pixel_values)
+        if not vision:
+            continue
         grids = [ex.grid_thw for ex in row if len(ex.grid_thw)]
         grid = np.concatenate(grids) if grids else np.zeros((0, 3), np.int64)
         plan = make_plan(grid, vision_cfg, num_windows=wb, num_units=nb)

@@ -52,12 +52,22 @@ def global_denom(batch, cfg: GRPOLossConfig):
     return (mask.sum(axis=1) > 0).sum().astype(jnp.float32)
 
 
+def whole_batch_fields(batch: dict, accum_steps: int) -> dict:
+    """The batch for `accum_steps` micro-batches: pack_src indexes the whole batch, so micro-batches
+    run unpacked; feat_src (images shared across rows) cannot be split, so it is an error."""
+    if accum_steps == 1:
+        return batch
+    if "feat_src" in batch:
+        raise ValueError(f"the batch shares images across rows (feat_src) but grad_accum={accum_steps} splits it into "
+                         "micro-batches; build it with rl_batch.grpo_batch(share_images=False)")
+    return {k: v for k, v in batch.items() if k != "pack_src"}
+
+
 def grpo_train_step(state: TrainState, batch: dict, rng, *, mdef: ModelDef, tx, schedule, loss_cfg: GRPOLossConfig,
                     accum_steps: int = 1, temperature: float = 1.0, chunk: int = 512, old_from_forward: bool = False):
     del rng
     denom = global_denom(batch, loss_cfg)
-    if accum_steps > 1:  # pack_src indexes the whole batch; micro-batches run unpacked
-        batch = {k: v for k, v in batch.items() if k != "pack_src"}
+    batch = whole_batch_fields(batch, accum_steps)
 
     def loss_fn(params, mb):
         lp, ent = policy_logprobs(params, mb, mdef, temperature=temperature, chunk=chunk, with_entropy=True)
@@ -128,6 +138,7 @@ def make_logprob_fn(mdef: ModelDef, params_sh, batch_sh, mesh, *, temperature=1.
     fn = functools.partial(policy_logprobs, mdef=mdef, temperature=temperature, chunk=chunk)
 
     def run(p, b):
+        b = whole_batch_fields(b, accum_steps)
         if accum_steps == 1:
             return fn(p, b)
         # The parameters ride the loop as its carry, not as a closure: a model merged in the body from

@@ -19,6 +19,7 @@ turns into a segment mask; the rows are built per host, so this works with any n
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import jax.numpy as jnp
@@ -98,3 +99,88 @@ def pack_examples(examples: Sequence[Example], bucket: Bucket) -> list[list[Exam
             bins.append([i])
             room.append(cap - need)
     return [[examples[i] for i in sorted(b)] for b in bins]
+
+
+def share_images(examples: Sequence[Example], bucket: Bucket, vision_cfg, *, row_multiple: int = 1
+                 ) -> dict[str, np.ndarray] | None:
+    """The batch's distinct images packed into fewer vision rows, or None (no gain).
+
+    A GRPO batch holds each prompt's image once per group member (G copies) and pads every row's
+    vision plan to the bucket: the demo's update encoded 64 rows x 96 units for ~1,000 distinct
+    ones. Here identical images (same grid, same pixels) are encoded once, and the distinct ones go
+    first fit into R rows of the bucket's vision plan (R = row_multiple * 2^k, so shapes stay few;
+    row_multiple: what the mesh's batch axis needs). Returns those vision fields (pixel_values,
+    unit_src, pos_hw, image_id, out_index, each [R, ...]) plus feat_src int32[B, nb]: for row b's
+    j-th image placeholder, the flat index r * nb + u of its feature in the tower's [R, nb, D]
+    output (`VisionInputs.feat_src`). A shared image's gradient is the sum over the rows that use
+    it, as with one copy per row. Features move across rows, so the batch cannot be split into
+    micro-batches (`grpo.whole_batch_fields` refuses), and the vision fields do not have the batch's
+    rows (`rl_batch.pad_rows` leaves them).
+    """
+    from codedance_jax.model.vision import make_plan
+    from codedance_jax.train.batching import num_windows
+
+    q, u, pd = vision_cfg.merge_unit, vision_cfg.window_merged**2, vision_cfg.patch_dim
+    b, nb, wb = len(examples), bucket.image_tokens, bucket.windows
+    distinct: dict[tuple, list[int]] = {}
+    images: list[tuple[np.ndarray, np.ndarray, int, int]] = []  # (grid [1, 3], pixels, units, windows)
+    uses: list[list[int]] = []  # per row: its images' indices into `images`, in placeholder order
+    for ex in examples:
+        row, p = [], 0
+        for g in np.asarray(ex.grid_thw).reshape(-1, 3):
+            n_patch = int(np.prod(g))
+            pix = ex.pixel_values[p : p + n_patch]
+            p += n_patch
+            # A fingerprint of every 61st value, then an exact comparison: hashing every byte cost
+            # more than the rest of the batch's host work (~80 ms per demo batch).
+            key = (tuple(int(x) for x in g), hashlib.blake2b(np.ascontiguousarray(pix.reshape(-1)[::61]).tobytes(),
+                                                             digest_size=16).digest())
+            same = [i for i in distinct.get(key, ()) if np.array_equal(images[i][1], pix)]
+            if not same:
+                distinct.setdefault(key, []).append(len(images))
+                grid = np.asarray(g, np.int64)[None]
+                images.append((grid, pix, n_patch // q, num_windows(grid, vision_cfg)))
+                same = [len(images) - 1]
+            row.append(same[0])
+        uses.append(row)
+    if not images:
+        return None
+    bins: list[list[int]] = []
+    room: list[list[int]] = []
+    for i in sorted(range(len(images)), key=lambda i: -images[i][2]):
+        for j, (fu, fw) in enumerate(room):
+            if fu >= images[i][2] and fw >= images[i][3]:
+                bins[j].append(i)
+                room[j] = [fu - images[i][2], fw - images[i][3]]
+                break
+        else:
+            bins.append([i])
+            room.append([nb - images[i][2], wb - images[i][3]])
+    r = row_multiple
+    while r < len(bins):
+        r *= 2
+    if r >= b:
+        return None
+    out = {
+        "pixel_values": np.zeros((r, nb * q, pd), np.float32),
+        "unit_src": np.full((r, wb * u), -1, np.int32),
+        "pos_hw": np.zeros((r, wb * u * q, 2), np.int32),
+        "image_id": np.full((r, wb * u), -1, np.int32),
+        "out_index": np.zeros((r, nb), np.int32),
+        "feat_src": np.zeros((b, nb), np.int32),
+    }
+    where = {}  # image -> flat feature index of its first unit
+    for k, members in enumerate(bins):
+        p = 0
+        for i in members:
+            where[i] = k * nb + p // q
+            out["pixel_values"][k, p : p + len(images[i][1])] = images[i][1]
+            p += len(images[i][1])
+        plan = make_plan(np.concatenate([images[i][0] for i in members]), vision_cfg, num_windows=wb, num_units=nb)
+        for f in ("unit_src", "pos_hw", "image_id", "out_index"):
+            out[f][k] = getattr(plan, f)
+    for k, row in enumerate(uses):
+        if row:
+            src = np.concatenate([where[i] + np.arange(images[i][2]) for i in row])
+            out["feat_src"][k, : len(src)] = src
+    return out

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 
 from codedance_jax.model.config import ModelConfig
 from codedance_jax.model.rope import mrope_positions
 from codedance_jax.train.batching import Bucket, Example, choose_bucket, collate, num_windows
 from codedance_jax.train.packing import pack_plan
+from codedance_jax.train.packing import share_images as share_images_layout
 
 
 def trajectory_example(traj, processor, cfg: ModelConfig, buckets: Sequence[Bucket]) -> Example:
@@ -46,13 +48,18 @@ def trajectory_example(traj, processor, cfg: ModelConfig, buckets: Sequence[Buck
 
 def grpo_batch(trajs, processor, cfg: ModelConfig, buckets: Sequence[Bucket], a_seq: np.ndarray,
                a_turn: np.ndarray, *, bucket: Bucket | None = None, examples=None, pack: bool | None = None
-               ) -> dict[str, np.ndarray]:
+               , share_images: bool | None = None, row_multiple: int | None = None) -> dict[str, np.ndarray]:
     """The GRPO batch of `trajs` (row order kept). A trajectory that fits no bucket is an error
     naming the sizes (raise the buckets or lower the rollout budgets: they must agree).
 
     pack: add `pack_src` (`train.packing`) when the rows fit in half the slots or fewer, so the
     log-prob recompute and the update run the decoder over the packed rows (default: on with one
-    process; the packed stream is not cut per host)."""
+    process; the packed stream is not cut per host).
+    share_images: encode each distinct image once, in a smaller per-row vision plan, with
+    `feat_src` mapping each row's placeholders to its features (`packing.share_images`; default:
+    as `pack`; `row_multiple`: what the mesh's batch axis needs of its row count; default
+    the device count, which any mesh's batch axis divides). Neither suits
+    micro-batches: pass both False with grad_accum > 1."""
     exs = examples if examples is not None else [trajectory_example(t, processor, cfg, buckets) for t in trajs]
     bad = [e for e in exs if e.bucket is None]
     if bad:
@@ -61,7 +68,13 @@ def grpo_batch(trajs, processor, cfg: ModelConfig, buckets: Sequence[Bucket], a_
                          f"rollout.max_total_tokens")
     if bucket is None:
         bucket = buckets[max(e.bucket for e in exs)]
-    batch = collate(exs, bucket, pad_id=processor.pad_id, vision_cfg=cfg.vision)
+    if pack is None:
+        pack = jax.process_count() == 1
+    share = pack if share_images is None else share_images
+    shared = share_images_layout(exs, bucket, cfg.vision, row_multiple=row_multiple or jax.device_count()) if share else None
+    batch = collate(exs, bucket, pad_id=processor.pad_id, vision_cfg=cfg.vision, vision=shared is None)
+    if shared is not None:
+        batch.update(shared)
     t = bucket.tokens
     old = np.zeros((len(trajs), t), np.float32)
     tid = np.full((len(trajs), t), -1, np.int32)
@@ -76,20 +89,19 @@ def grpo_batch(trajs, processor, cfg: ModelConfig, buckets: Sequence[Bucket], a_
     batch["turn_ids"] = tid
     batch["a_seq"] = np.asarray(a_seq, np.float32)
     batch["a_turn"] = np.asarray(a_turn, np.float32)
-    import jax
-
     if jax.process_count() == 1 and not any(len(e.grid_thw) for e in exs):
         # Text only: without pixel_values the forward skips the vision tower (it would encode the
         # padding of the bucket: 3x the decoder's time at Tunix's sizes). The plan fields stay, for
         # the loop's metrics. One process only: hosts must agree on the batch's fields.
         batch.pop("pixel_values")
-    if pack is None:
-        pack = jax.process_count() == 1
     if pack:
         src = pack_plan(batch["attention_mask"])
         if src is not None:
             batch["pack_src"] = src
     return batch
+
+
+VISION_FIELDS = ("pixel_values", "unit_src", "pos_hw", "image_id", "out_index")
 
 
 def pad_rows(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
@@ -99,6 +111,9 @@ def pad_rows(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
         return batch
     out = {}
     for k, v in batch.items():
+        if "feat_src" in batch and k in VISION_FIELDS:  # shared images: their own rows (`packing.share_images`)
+            out[k] = v
+            continue
         axis = 1 if k == "positions" else 0
         width = [(0, 0)] * v.ndim
         width[axis] = (0, rows - b)

@@ -23,8 +23,9 @@ from codedance_jax.train.state import ModelDef, TrainState
 VISION_KEYS = ("pixel_values", "unit_src", "pos_hw", "image_id", "out_index")
 # pack_src (optional): the packed layout of `train.packing` (GRPO batches); segment_ids (optional):
 # rows holding several examples (`batching.collate_packed`, SFT batches).
-BATCH_FIELDS = ("input_ids", "attention_mask", "targets", "loss_mask", "positions", *VISION_KEYS, "pack_src",
-                "segment_ids")
+# feat_src (optional): images shared across rows (`packing.share_images`, GRPO batches).
+BATCH_FIELDS = ("input_ids", "attention_mask", "targets", "loss_mask", "positions", *VISION_KEYS, "feat_src",
+                "pack_src", "segment_ids")
 # Logical axes of each batch field; `positions` carries the batch on its second axis.
 BATCH_AXES = {"positions": (None, "batch", None)}
 
@@ -40,7 +41,7 @@ def batch_shardings(batch_shapes: dict, mesh, rules=None) -> dict:
 def vision_inputs(batch) -> VisionInputs | None:
     if "pixel_values" not in batch:
         return None
-    return VisionInputs(*(batch[k] for k in VISION_KEYS))
+    return VisionInputs(*(batch[k] for k in VISION_KEYS), feat_src=batch.get("feat_src"))
 
 
 def hidden_states(mdef: ModelDef, params, batch):
