@@ -46,6 +46,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         turn_format="code", max_turns=6, max_turn_tokens=1024, max_new_tokens=4096, max_total_tokens=8192,
         decode_chunk=32, batch_multiple=8, prompt_buckets=(1024, 2048, 4096), obs_buckets=(256, 1024),
         obs_max_pixels=1024 * 28 * 28, temperature=1.0, top_p=1.0, top_k=0, append_min_frac=0.5,
+        cache_grow=0,  # > 0: the KV cache starts this small and grows by it (`RolloutConfig.cache_grow`)
     ))
     c.sandbox = ml_collections.ConfigDict(dict(num_workers=16, timeout_s=15.0, memory_mb=2048))
     # GRPO batches are padded to the first (tokens, image tokens, windows) bucket that fits.

@@ -64,6 +64,7 @@ from codedance_jax.model.generate import (
     drop_slots,
     encode_vision,
     extend_arrays,
+    grow_cache,
     put_rows,
     scatter_logits,
     take_rows,
@@ -161,7 +162,8 @@ class RolloutEngine:
         rows = self._make_rows(prompts, group_size, seed_offset)
         b = round_up(len(rows), self.cfg.batch_multiple)
         self.rows = rows + [self._pad_row(i) for i in range(len(rows), b)]
-        self.cache = self._init_cache(b, self.cfg.cache_slots)
+        grow = self.cfg.cache_grow
+        self.cache = self._init_cache(b, min(grow, self.cfg.cache_slots) if grow > 0 else self.cfg.cache_slots)
         self.index = 0
         self.logits = None
         self.script = script
@@ -325,6 +327,12 @@ class RolloutEngine:
     def _ensure_room(self, n: int):
         if self.index + n <= self.cache.max_len:
             return
+        grow, full = self.cfg.cache_grow, self.cfg.cache_slots
+        if grow > 0 and self.cache.max_len < full and self.index + n <= full:
+            # Grow before compacting: a smaller cache makes every decode step cheaper until then.
+            self.cache = grow_cache(self.cache, min(full, round_up(self.index + n, grow)))
+            self.stats.cache_growths += 1
+            return
         done = np.array([r.phase in ("done", "pad") and r.slots_held for r in self.rows])
         if done.any():
             self.cache = drop_slots(
@@ -398,7 +406,7 @@ class RolloutEngine:
         elif sel is not None:
             sub = take_rows(self.cache, jnp.asarray(sel))
             logits, sub = extend_arrays(self.model, sub, ids, mask, pos, feats, last_only=True)
-            self.cache = put_rows(self.cache, sub, jnp.asarray(sel))
+            self.cache = put_rows(self.cache, sub, jnp.asarray(sel), jnp.int32(self.index), ids.shape[1])
             on_n = rows_b[sel]
             self.logits = scatter_logits(self.logits, logits, jnp.asarray(sel), jnp.asarray(on_n))
             rows_next = [(int(i), next_pos[j]) for j, i in enumerate(sel) if on_n[j]]
@@ -479,7 +487,7 @@ class RolloutEngine:
             sub, sub_logits = take_rows(self.cache, jsel), self.logits[jsel]
             args = map(self._rows, (active[sel], limit[sel], hist[sel], forced[sel], uid[sel], count[sel]))
             out, sub, sub_logits = self.sampler.decode_chunk(sub, sub_logits, *args, start=self.index)
-            self.cache = put_rows(self.cache, sub, jsel)
+            self.cache = put_rows(self.cache, sub, jsel, jnp.int32(self.index), n)
             self.logits = scatter_logits(self.logits, sub_logits, jsel, jnp.asarray(active[sel]))
             out = out.expand(sel, b)
         self.stats.decode_s += time.perf_counter() - t0

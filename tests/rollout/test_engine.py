@@ -232,8 +232,9 @@ def test_batched_appends_keep_trajectories_and_save_calls(model, processor):
 
 
 def test_shared_prefill_and_row_subsets_keep_trajectories(model, processor):
-    """Each prompt is prefilled once for its group, and appends / decode chunks run only the rows
-    taking part (row buckets of batch_multiple x 2^k): the trajectories are those of whole-batch calls."""
+    """Each prompt is prefilled once for its group, appends / decode chunks run only the rows
+    taking part (row buckets of batch_multiple x 2^k) and the KV cache grows on demand
+    (`cache_grow`): the trajectories are those of whole-batch calls into a full-size cache."""
     prompts = make_prompts(processor, 3, seed=11)
 
     def script(r, m):  # rows 0, 3, 6, ...: code with an image, then answer; others answer / sample
@@ -243,7 +244,8 @@ def test_shared_prefill_and_row_subsets_keep_trajectories(model, processor):
 
     out = {}
     for mult in (4, 16):  # 12 rows: buckets 4, 8, 12 (subsets) vs one bucket of 16 (whole batch)
-        eng = RolloutEngine(model, processor, small_config(batch_multiple=mult), SamplingConfig(greedy=True))
+        grow = 64 if mult == 4 else 0  # 64 slots, grown to the 256-token prompt, then by 64 to 512
+        eng = RolloutEngine(model, processor, small_config(batch_multiple=mult, cache_grow=grow), SamplingConfig(greedy=True))
         out[mult] = eng.rollout(prompts, 4, FakePool(0.01), script=script)
     (a, sa), (b, sb) = out[4], out[16]
     assert [t.tokens for t in a] == [t.tokens for t in b]
@@ -251,4 +253,5 @@ def test_shared_prefill_and_row_subsets_keep_trajectories(model, processor):
                                atol=1e-5)
     assert a[0].turn_status[0] == "ok" and a[0].image_grid_thw == b[0].image_grid_thw and len(a[0].images) == 2
     assert sa.executions == sb.executions == 4
+    assert sa.cache_growths >= 2 and sb.cache_growths == 0
     assert_logprobs_match(model, processor, a)
