@@ -328,11 +328,13 @@ class RolloutEngine:
         if self.index + n <= self.cache.max_len:
             return
         grow, full = self.cfg.cache_grow, self.cfg.cache_slots
-        if grow > 0 and self.cache.max_len < full and self.index + n <= full:
-            # Grow before compacting: a smaller cache makes every decode step cheaper until then.
+        if grow > 0 and self.cache.max_len < full:
+            # Grow before compacting (a smaller cache makes every decode step cheaper until then);
+            # a chunk that does not fit even the full size compacts the full-size cache below.
             self.cache = grow_cache(self.cache, min(full, round_up(self.index + n, grow)))
             self.stats.cache_growths += 1
-            return
+            if self.index + n <= self.cache.max_len:
+                return
         done = np.array([r.phase in ("done", "pad") and r.slots_held for r in self.rows])
         if done.any():
             self.cache = drop_slots(

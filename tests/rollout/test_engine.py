@@ -255,3 +255,18 @@ def test_shared_prefill_and_row_subsets_keep_trajectories(model, processor):
     assert sa.executions == sb.executions == 4
     assert sa.cache_growths >= 2 and sb.cache_growths == 0
     assert_logprobs_match(model, processor, a)
+
+
+def test_a_growing_cache_takes_a_chunk_past_its_full_size_by_growing_then_compacting(model, processor):
+    """A chunk that fits neither the grown nor the full-size cache as it stands (write index near
+    the end) grows the cache to its full size and compacts there, as a full-size cache would; the
+    demo's sampled evaluation once failed here (512 of 640 slots, a 192-token observation)."""
+    from codedance_jax.rollout.config import RolloutStats
+
+    eng = RolloutEngine(model, processor, small_config(cache_len=512, cache_grow=256), SamplingConfig(greedy=True))
+    eng.rows = [eng._pad_row(i) for i in range(8)]
+    eng.stats = RolloutStats()
+    eng.cache, eng.index = model.init_cache(8, 256), 250  # 250 slots used, all holes (nothing valid)
+    eng._ensure_room(300)  # 550 > 512: grow to 512, then compaction frees the holes
+    assert eng.cache.max_len == 512 and eng.index == 0
+    assert eng.stats.cache_growths == 1 and eng.stats.compactions == 1
