@@ -198,8 +198,8 @@ def put_rows(cache: KVCache, sub: KVCache, rows_n, start, width: int) -> KVCache
     """Writes `sub` (from `take_rows(cache, rows_n)` and then extended by at most `width` slots from
     slot `start`) back into rows rows_n; the other rows' slots past the old index stay invalid
     (holes), as if they had sat out with mask 0. Only that window of slots is written: the rest of
-    `sub` is the cache's own (writing whole rows back cost ~25 ms per call for the demo's 64 x 640
-    slot cache, the window ~1/10 of that)."""
+    `sub` is the cache's own (whole rows: 8.0 ms per call for 32 of the demo's 64 x 640-slot rows
+    in isolation; a 32-slot window: 0.5 ms)."""
     slots = start + jnp.arange(width, dtype=jnp.int32)
 
     def put(x, s):  # [B, K, S, H] <- the window of [n, K, S, H]

@@ -96,6 +96,10 @@ class Example:
     source: str
 
 
+# The per-row vision plan fields of the batch contract (module docstring), in `VisionInputs` order.
+VISION_KEYS = ("pixel_values", "unit_src", "pos_hw", "image_id", "out_index")
+
+
 def collate(
     examples: Sequence[Example], bucket: Bucket, *, pad_id: int, vision_cfg: VisionConfig, vision: bool = True
 ) -> dict[str, np.ndarray]:
@@ -141,7 +145,7 @@ def _collate_rows(rows, bsz: int, bucket: Bucket, *, pad_id: int, vision_cfg: Vi
         "segment_ids": np.zeros((bsz, t), np.int32),
     }
     if not vision:
-        for k in ("pixel_values", "unit_src", "pos_hw", "image_id", "out_index"):
+        for k in VISION_KEYS:
             del batch[k]
     for b, row in enumerate(rows):
         need = Bucket(*(sum(getattr(ex.needs, f) for ex in row) for f in Bucket._fields))

@@ -24,7 +24,7 @@ import numpy as np
 
 from codedance_jax.model.config import ModelConfig
 from codedance_jax.model.rope import mrope_positions
-from codedance_jax.train.batching import Bucket, Example, choose_bucket, collate, num_windows
+from codedance_jax.train.batching import VISION_KEYS, Bucket, Example, choose_bucket, collate, num_windows
 from codedance_jax.train.packing import pack_plan
 from codedance_jax.train.packing import share_images as share_images_layout
 
@@ -47,19 +47,19 @@ def trajectory_example(traj, processor, cfg: ModelConfig, buckets: Sequence[Buck
 
 
 def grpo_batch(trajs, processor, cfg: ModelConfig, buckets: Sequence[Bucket], a_seq: np.ndarray,
-               a_turn: np.ndarray, *, bucket: Bucket | None = None, examples=None, pack: bool | None = None
-               , share_images: bool | None = None, row_multiple: int | None = None) -> dict[str, np.ndarray]:
+               a_turn: np.ndarray, *, bucket: Bucket | None = None, examples=None, pack: bool | None = None,
+               share_images: bool | None = None, row_multiple: int | None = None) -> dict[str, np.ndarray]:
     """The GRPO batch of `trajs` (row order kept). A trajectory that fits no bucket is an error
     naming the sizes (raise the buckets or lower the rollout budgets: they must agree).
 
     pack: add `pack_src` (`train.packing`) when the rows fit in half the slots or fewer, so the
     log-prob recompute and the update run the decoder over the packed rows (default: on with one
     process; the packed stream is not cut per host).
-    share_images: encode each distinct image once, in a smaller per-row vision plan, with
+    share_images: encode each distinct image once, in fewer vision rows than the batch has, with
     `feat_src` mapping each row's placeholders to its features (`packing.share_images`; default:
-    as `pack`; `row_multiple`: what the mesh's batch axis needs of its row count; default
-    the device count, which any mesh's batch axis divides). Neither suits
-    micro-batches: pass both False with grad_accum > 1."""
+    as `pack`). row_multiple: what the mesh's batch axis needs of the vision row count (default:
+    the device count, which any mesh's batch axis divides). Neither layout suits micro-batches:
+    pass both False with grad_accum > 1."""
     exs = examples if examples is not None else [trajectory_example(t, processor, cfg, buckets) for t in trajs]
     bad = [e for e in exs if e.bucket is None]
     if bad:
@@ -101,9 +101,6 @@ def grpo_batch(trajs, processor, cfg: ModelConfig, buckets: Sequence[Bucket], a_
     return batch
 
 
-VISION_FIELDS = ("pixel_values", "unit_src", "pos_hw", "image_id", "out_index")
-
-
 def pad_rows(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
     """Pad the batch with empty rows (mask 0, no trained tokens) to `rows`, so it divides over the mesh."""
     b = batch["input_ids"].shape[0]
@@ -111,7 +108,7 @@ def pad_rows(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
         return batch
     out = {}
     for k, v in batch.items():
-        if "feat_src" in batch and k in VISION_FIELDS:  # shared images: their own rows (`packing.share_images`)
+        if "feat_src" in batch and k in VISION_KEYS:  # shared images: their own rows (`packing.share_images`)
             out[k] = v
             continue
         axis = 1 if k == "positions" else 0

@@ -17,10 +17,10 @@ from jax.sharding import NamedSharding
 from codedance_jax import sharding as shd
 from codedance_jax.model.qwen25vl import VisionInputs
 from codedance_jax.train import packing
+from codedance_jax.train.batching import VISION_KEYS
 from codedance_jax.train.logprobs import output_weight, token_logprobs
 from codedance_jax.train.state import ModelDef, TrainState
 
-VISION_KEYS = ("pixel_values", "unit_src", "pos_hw", "image_id", "out_index")
 # pack_src (optional): the packed layout of `train.packing` (GRPO batches); segment_ids (optional):
 # rows holding several examples (`batching.collate_packed`, SFT batches).
 # feat_src (optional): images shared across rows (`packing.share_images`, GRPO batches).
