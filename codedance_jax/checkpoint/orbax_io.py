@@ -35,6 +35,12 @@ def is_orbax_dir(path) -> bool:
 def save(model: Qwen25VL, out_dir, processor=None) -> None:
     """Every process calls this (the orbax save is collective); only process 0 writes the small
     files, and the marker last: its presence means the checkpoint is whole (the demo resumes on it)."""
+    save_params(model.cfg, nnx.to_pure_dict(nnx.state(model, nnx.Param)), out_dir, processor)
+
+
+def save_params(cfg: ModelConfig, pure: dict, out_dir, processor=None) -> None:
+    """`save` from the Param state as a pure dict (jax or numpy arrays: `checkpoint.background`
+    writes a host copy from a thread while the step goes on)."""
     out_dir = os.path.abspath(os.fspath(out_dir))
     os.makedirs(out_dir, exist_ok=True)
     primary, marker = jax.process_index() == 0, os.path.join(out_dir, MARKER)
@@ -42,15 +48,14 @@ def save(model: Qwen25VL, out_dir, processor=None) -> None:
         if os.path.exists(marker):
             os.remove(marker)  # overwritten in place: not whole again until the new marker
         with open(os.path.join(out_dir, "config.json"), "w") as f:
-            json.dump(model.cfg.to_hf_config(), f, indent=2)
+            json.dump(cfg.to_hf_config(), f, indent=2)
         if processor is not None:
             processor.save_pretrained(out_dir)
-    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.join(out_dir, "params"), pure, force=True)
     if primary:
         with open(marker, "w") as f:
-            json.dump({"format": FORMAT, "version": 1, "param_dtype": model.cfg.param_dtype}, f)
+            json.dump({"format": FORMAT, "version": 1, "param_dtype": cfg.param_dtype}, f)
     if jax.process_count() > 1:  # no process goes on (and loads it) before the marker exists
         from jax.experimental import multihost_utils
 

@@ -103,6 +103,7 @@ def prepare_files(config, workdir: str) -> dict:
 def open_context(config, workdir: str, run_setup) -> tuple[GRPOContext, setup.Run, RolloutEngine, list]:
     """Everything a step reads: processor, model, mesh, state (restored), prompt source, engines,
     the sandbox pool. `run_setup` collects what must be closed (an ExitStack)."""
+    from codedance_jax.checkpoint.background import BackgroundExport
     from codedance_jax.processing import Processor
     from data import rl_prompts
     from eval.tool_analytics import record_step
@@ -139,6 +140,7 @@ def open_context(config, workdir: str, run_setup) -> tuple[GRPOContext, setup.Ru
         es = rl_prompts.open_prompts(files["tfds_dir"], config.data.eval_name)
         n = len(es) if not config.eval.limit else min(len(es), int(config.eval.limit))
         eval_prompts = [rl_prompts.to_prompt(es[i]) for i in range(n)]
+    exporter = run_setup.enter_context(BackgroundExport())  # closed (joined) before the run's files
     pool = run_setup.enter_context(PoolThread(num_workers=config.sandbox.num_workers,
                                               timeout_s=config.sandbox.timeout_s, memory_mb=config.sandbox.memory_mb))
     model = rollout_model(run.mdef, run.state.params, mesh)
@@ -149,7 +151,7 @@ def open_context(config, workdir: str, run_setup) -> tuple[GRPOContext, setup.Ru
                                 SamplingConfig(greedy=True, seed=config.seed))
     ctx = GRPOContext(config, workdir, processor, cfg, mesh, rules, tx, sched, rb_cfg, loss_cfg,
                       buckets, source, rl_prompts.PromptSchedule(len(source), config.prompts_per_step, config.seed),
-                      engine, pool, rows, ref_params)
+                      engine, pool, rows, ref_params, exporter=exporter)
     return ctx, run, eval_engine, eval_prompts
 
 
@@ -224,8 +226,10 @@ def train_step(ctx: GRPOContext, run: setup.Run, step: int, ckpt_s: float = 0.0)
     prompts = stages.step_prompts(ctx, step)
     rollouts = stages.rollout(ctx, run, prompts, step)
     scores = stages.score(ctx, prompts, rollouts)
+    t_traj = time.perf_counter()
     if config.trajectories_every and (step + 1) % config.trajectories_every == 0:
         stages.save_trajectories(ctx, rollouts, step)
+    t_traj = time.perf_counter() - t_traj
     batch = stages.old_logprobs(ctx, run, stages.batch(ctx, rollouts, scores, step))
     update = stages.update(ctx, run, batch, step)
     run.state = update.state
@@ -233,6 +237,7 @@ def train_step(ctx: GRPOContext, run: setup.Run, step: int, ckpt_s: float = 0.0)
                       keys=tuple(config.metric_keys),
                       peak_flops=config.peak_tflops_per_device * 1e12 * jax.device_count())
     row["time/checkpoint_s"] = ckpt_s
+    row["time/trajectories_s"] = t_traj  # the jsonl and the policy's host copy (written from a thread)
     row["compilations"] = float(CompileCounter.total() - c0)
     row["step_time_s"] = time.perf_counter() - t_step
     run.writer.write(step + 1, row)

@@ -3,7 +3,8 @@
 Names (WORKSPACE.md, GRPO): the rollout summary (`accuracy avg_turns exec_success tool_calls
 tool_rate`, per `metric_keys` value), `reward/*` (R_BAT parts over the global batch), `a_seq_abs
 a_turn_abs groups_mixed format_ok`, `train/*`, `logprob_mismatch`, `time/*_s`, throughput and MFU.
-`compilations`, `step_time_s` and `time/checkpoint_s` are added by the loop; the row is written before
+`compilations`, `step_time_s`, `time/trajectories_s` (trajectories and the policy's host copy; the
+policy is written from a thread) and `time/checkpoint_s` are added by the loop; the row is written before
 the step's checkpoint, so `time/checkpoint_s` is the save after the previous step (0 after a start).
 With several processes `accuracy reward/* a_seq_abs a_turn_abs groups_mixed format_ok train/*` are
 over the global batch; the other rollout figures are process 0's share.

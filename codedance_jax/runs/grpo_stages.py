@@ -56,6 +56,7 @@ class GRPOContext:
     rows: int  # global batch rows, padded to divide data*fsdp*grad_accum
     ref_params: Any = None  # the frozen reference (KL on)
     lp_fns: setup.StepCache = dataclasses.field(default_factory=setup.StepCache)
+    exporter: Any = None  # checkpoint.background.BackgroundExport (None: export in the caller)
 
     @property
     def group_size(self) -> int:
@@ -196,7 +197,10 @@ def save_trajectories(ctx: GRPOContext, ro: Rollouts, step: int) -> None:
     pdir = os.path.join(ctx.workdir, "policies", f"step_{step}")
     for t in ro.trajectories:
         t.policy = pdir
-    orbax_io.save(ro.policy_model, pdir, ctx.processor)
+    if ctx.exporter is not None:  # a host copy now (the update donates the arrays), written from a thread
+        ctx.exporter.submit(ro.policy_model, pdir, ctx.processor)
+    else:
+        orbax_io.save(ro.policy_model, pdir, ctx.processor)
     name = "trajectories.jsonl" if ctx.host == 0 else f"trajectories.host{ctx.host}.jsonl"
     save_jsonl(ro.trajectories, ctx.workdir, name=name, append=True)
 
