@@ -1,6 +1,6 @@
 """The whole GRPO step, timed per stage, compilations counted (issue 14).
 
-    python benchmarks/grpo_step.py [--quick] [--case demo|tunix|both] [--steps N]
+    python benchmarks/grpo_step.py [--quick] [--case demo|tunix|both] [--steps N] [--trace DIR]
 
 Cases:
   demo   the demo's GRPO preset (`configs/demo.py` -> `demo.pipeline.grpo_config`): the toy model,
@@ -25,6 +25,7 @@ noisy: compare ratios taken in one invocation.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -170,7 +171,9 @@ def demo_case(args):
         stepper = GRPOStepper(gcfg, cfg, processor)
         rows = []
         for i in range(args.steps):
-            rows.append(stepper.step(i, prompts, golds, group, pool, script))
+            last = args.trace and i == args.steps - 1
+            with jax.profiler.trace(args.trace, create_perfetto_trace=True) if last else contextlib.nullcontext():
+                rows.append(stepper.step(i, prompts, golds, group, pool, script))
             print(f"demo step {i}: {rows[-1]['times']['step']:.2f} s, {rows[-1]['compiles']} compilations, "
                   f"batch {rows[-1]['batch_shape']} (packed rows {rows[-1]['packed_rows']})", flush=True)
     out = summarize(rows)
@@ -283,6 +286,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="4 prompts x 4 in the demo case, 3 steps")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--tunix-python", default=os.environ.get("TUNIX_PYTHON", "/tmp/tunix-venv/bin/python"))
+    ap.add_argument("--trace", default=None, help="demo case: a jax.profiler trace of the last step into this directory")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "grpo_step.json"))
     args = ap.parse_args()
     args.steps = args.steps or (3 if args.quick else 5)
