@@ -34,6 +34,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.optim = ml_collections.ConfigDict(dict(
         lr=1e-6, warmup_ratio=0.0, schedule="constant", min_lr_ratio=0.0, weight_decay=0.0,
         b1=0.9, b2=0.999, eps=1e-8, clip_norm=1.0,
+        freeze=(),  # parameter groups without updates, e.g. ("visual",) (`train.optim`)
     ))
     # R_BAT (SPEC section 4): preset paper | release; mode full | no_turn | tool_bonus | outcome.
     c.rbat = ml_collections.ConfigDict(dict(preset="paper", mode="full", gamma=4.0, delta=0.2, beta=0.2))

@@ -3,11 +3,17 @@
 Weight decay skips 1-D parameters (RMSNorm scales, biases), the usual choice for transformers
 (and what HF Trainer, used by the authors' SFT, does). Gradient accumulation is not done here:
 the train step scans over micro-batches and applies one update (see `train.sft`).
+
+`optim.freeze` (optional) names top-level parameter groups of the model (`visual`, `embed`,
+`layers`, `norm`, `lm_head`) that get no update (their Adam moments stay zero); the
+gradient-norm clip sees only the trained ones. An experiment knob for RL on small models: on the toy world,
+GRPO degraded the SFT policy's reading of cropped observation images (WORKSPACE.md, "Fifth look").
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 
@@ -23,12 +29,39 @@ def schedule(lr: float, total_steps: int, warmup_ratio: float = 0.05, min_lr_rat
     )
 
 
+def _group(path) -> str:
+    k = path[0]
+    return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+
+
+def zero_groups(freeze) -> optax.GradientTransformation:
+    """Stateless: the updates of the top-level parameter groups named in `freeze` become 0 (traced
+    once per jitted step; an unknown group name is an error naming the model's groups)."""
+    names = set(freeze)
+
+    def update(updates, state, params=None):
+        del params
+        groups = {_group(path) for path, _ in jax.tree_util.tree_leaves_with_path(updates)}
+        unknown = sorted(names - groups)
+        if unknown:
+            raise ValueError(f"config.optim.freeze={tuple(freeze)}: no parameter group {unknown}; the model's groups "
+                             f"are {sorted(groups)}")
+        zero = lambda path, u: jnp.zeros_like(u) if _group(path) in names else u  # noqa: E731
+        return jax.tree_util.tree_map_with_path(zero, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def make_optimizer(optim, total_steps: int):
-    """optim: a ConfigDict/dict with lr, warmup_ratio, weight_decay, b1, b2, eps, clip_norm, schedule."""
+    """optim: a ConfigDict/dict with lr, warmup_ratio, weight_decay, b1, b2, eps, clip_norm, schedule
+    and optionally freeze (parameter groups without updates)."""
     sched = schedule(optim.lr, total_steps, optim.warmup_ratio, optim.get("min_lr_ratio", 0.0), optim.get("schedule", "cosine"))
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)  # noqa: E731
     tx = optax.chain(
         optax.clip_by_global_norm(optim.clip_norm) if optim.clip_norm else optax.identity(),
         optax.adamw(sched, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay, mask=decay_mask),
     )
+    freeze = tuple(optim.get("freeze", ()) or ())
+    if freeze:  # zeroed before the clip (its norm sees the trained groups only) and after AdamW (no decay)
+        tx = optax.chain(zero_groups(freeze), tx, zero_groups(freeze))
     return tx, sched

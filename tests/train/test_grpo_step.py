@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from flax import nnx
 from model_helpers import FAST_COMPILE, tiny_small_vocab, train_batch
 
 from codedance_jax import sharding as shd
@@ -130,3 +131,38 @@ def test_old_logprobs_from_the_update_forward_equal_a_separate_recompute(accum):
     assert abs(float(m1["ratio_mean"]) - 1.0) < 1e-6 and float(m1["clip_frac"]) == 0.0
     diff = max(float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(p0), jax.tree.leaves(p1), strict=True))
     assert diff < 1e-5  # two compiled programs: float rounding only (the other tests' tolerance)
+
+
+
+def test_frozen_groups_get_no_update_and_the_others_the_unfrozen_one():
+    """optim.freeze (AdamW with weight decay and a global-norm clip, random gradients): the frozen
+    vision tower's updates are exactly 0 over three steps; the decoder's equal those of the
+    unfrozen optimizer whose clip sees the decoder's gradients alone."""
+    cfg = tiny_small_vocab()
+    abstract = nnx.to_pure_dict(st.abstract_params(cfg)[1])
+    rng = np.random.default_rng(6)
+    params = jax.tree.map(lambda p: rng.standard_normal(p.shape).astype(np.float32) * 0.1, abstract)
+    grads = [jax.tree.map(lambda p: rng.standard_normal(p.shape).astype(np.float32), abstract) for _ in range(3)]
+    base = dict(lr=1e-3, warmup_ratio=0.0, weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-6, clip_norm=1.0, schedule="constant")
+    frozen_tx, _ = optim.make_optimizer(ml_collections.ConfigDict({**base, "freeze": ("visual",)}), 10)
+    plain_tx, _ = optim.make_optimizer(ml_collections.ConfigDict(base), 10)
+    fs, ps = frozen_tx.init(params), plain_tx.init(params)
+    f_update, p_update = jax.jit(frozen_tx.update), jax.jit(plain_tx.update)
+    for g in grads:
+        fu, fs = f_update(g, fs, params)
+        pu, ps = p_update({**g, "visual": jax.tree.map(np.zeros_like, g["visual"])}, ps, params)
+        assert _maxabs(fu["visual"]) == 0.0
+        assert _maxabs(fu["layers"]) > 1e-5
+        for k in ("embed", "layers", "norm"):
+            assert _maxdiff(fu[k], pu[k]) < 1e-7, k
+    bad_tx, _ = optim.make_optimizer(ml_collections.ConfigDict({**base, "freeze": ("vision",)}), 10)
+    with pytest.raises(ValueError, match=r"config.optim.freeze=\('vision',\): no parameter group \['vision'\]"):
+        jax.jit(bad_tx.update)(grads[0], bad_tx.init(params), params)
+
+
+def _maxabs(a) -> float:
+    return max(float(np.abs(x).max()) for x in jax.tree.leaves(a))
+
+
+def _maxdiff(a, b) -> float:
+    return max(float(np.abs(x - y).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
