@@ -3,9 +3,9 @@
 The demo's GRPO run exports its sampling policy (`orbax_io` format, with the processor) every
 `trajectories_every` steps so that each trajectory names the weights that sampled it. On the toy
 model an export took 0.4-0.8 s of orbax and tokenizer file writes (more under load), every second
-step of the demo: most of the ~1.3 s per step the loop spent outside its stages. The parameters
-are copied to host memory first (milliseconds at that size: the update donates the device arrays
-right after), then written by one worker thread.
+step of the demo, inside the step. The parameters are copied to host memory first (milliseconds
+at that size: the update donates the device arrays right after), then written by one worker
+thread.
 
 - At most one export is in flight: `submit` waits for the previous one, so host memory holds one
   copy and exports land in step order.
