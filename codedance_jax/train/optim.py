@@ -5,9 +5,10 @@ Weight decay skips 1-D parameters (RMSNorm scales, biases), the usual choice for
 the train step scans over micro-batches and applies one update (see `train.sft`).
 
 `optim.freeze` (optional) names top-level parameter groups of the model (`visual`, `embed`,
-`layers`, `norm`, `lm_head`) that get no update (their Adam moments stay zero); the
-gradient-norm clip sees only the trained ones. An experiment knob for RL on small models: on the toy world,
-GRPO degraded the SFT policy's reading of cropped observation images (WORKSPACE.md, "Fifth look").
+`layers`, `norm`, `lm_head`) that get no update (their Adam moments stay zero); the gradient-norm
+clip sees only the trained ones. Why it exists: on the toy world GRPO degraded the SFT policy's
+reading of cropped observation images, and a frozen vision tower kept it (WORKSPACE.md, "Why
+GRPO lost accuracy").
 """
 
 from __future__ import annotations
