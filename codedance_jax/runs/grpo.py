@@ -151,7 +151,7 @@ def open_context(config, workdir: str, run_setup) -> tuple[GRPOContext, setup.Ru
                                 SamplingConfig(greedy=True, seed=config.seed))
     ctx = GRPOContext(config, workdir, processor, cfg, mesh, rules, tx, sched, rb_cfg, loss_cfg,
                       buckets, source, rl_prompts.PromptSchedule(len(source), config.prompts_per_step, config.seed),
-                      engine, pool, rows, ref_params, exporter=exporter)
+                      engine, pool, rows, exporter, ref_params)
     return ctx, run, eval_engine, eval_prompts
 
 

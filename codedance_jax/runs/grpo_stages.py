@@ -54,9 +54,9 @@ class GRPOContext:
     engine: RolloutEngine
     pool: Any  # a SandboxPool
     rows: int  # global batch rows, padded to divide data*fsdp*grad_accum
+    exporter: Any  # checkpoint.background.BackgroundExport: the sampling policies of save_trajectories
     ref_params: Any = None  # the frozen reference (KL on)
     lp_fns: setup.StepCache = dataclasses.field(default_factory=setup.StepCache)
-    exporter: Any = None  # checkpoint.background.BackgroundExport (None: export in the caller)
 
     @property
     def group_size(self) -> int:
@@ -192,15 +192,10 @@ def score(ctx: GRPOContext, sp: StepPrompts, ro: Rollouts) -> Scores:
 def save_trajectories(ctx: GRPOContext, ro: Rollouts, step: int) -> None:
     """The step's trajectories (SPEC record) and the *sampling* policy they name, exported before
     the update donates its arrays."""
-    from codedance_jax.checkpoint import orbax_io
-
     pdir = os.path.join(ctx.workdir, "policies", f"step_{step}")
     for t in ro.trajectories:
         t.policy = pdir
-    if ctx.exporter is not None:  # a host copy now (the update donates the arrays), written from a thread
-        ctx.exporter.submit(ro.policy_model, pdir, ctx.processor)
-    else:
-        orbax_io.save(ro.policy_model, pdir, ctx.processor)
+    ctx.exporter.submit(ro.policy_model, pdir, ctx.processor)  # a host copy now (the update donates the arrays)
     name = "trajectories.jsonl" if ctx.host == 0 else f"trajectories.host{ctx.host}.jsonl"
     save_jsonl(ro.trajectories, ctx.workdir, name=name, append=True)
 

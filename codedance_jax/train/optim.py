@@ -31,8 +31,7 @@ def schedule(lr: float, total_steps: int, warmup_ratio: float = 0.05, min_lr_rat
 
 
 def _group(path) -> str:
-    k = path[0]
-    return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+    return str(getattr(path[0], "key", path[0]))  # parameter trees (nnx.State, pure dicts) have DictKey paths
 
 
 def zero_groups(freeze) -> optax.GradientTransformation:
