@@ -392,8 +392,8 @@ class Supervisor:
             if self.lost:
                 pass
             elif not _alive(self.holder):
-                self.lost = "the cell killed the process holding the session's state"
-                notes.append(f"[sandbox] {self.lost}; this session cannot run more cells")
+                self.lost = "the process holding the session's state died during the cell"
+                notes.append(f"[sandbox] session lost: {self.lost}; start a new session")
             elif status != "timeout":
                 notes.append("[sandbox] the namespace and files were rolled back to the last "
                              "successful cell")
@@ -404,7 +404,7 @@ class Supervisor:
 
     def _files_lost(self, why: str, notes: list[str]) -> None:
         self.lost = why[:500]
-        notes.append(f"[sandbox] {self.lost}; this session cannot run more cells")
+        notes.append(f"[sandbox] session lost: {self.lost}; start a new session")
         self._kill_all_but(None)
 
     def _describe_exit(self, wait_status, oom_before: int) -> tuple[str, str]:
@@ -542,13 +542,28 @@ def _read_some(fd: int) -> bytes | None:
         return b""
 
 
+_PF_EXITING = 0x4
+_SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
+
+
 def _alive(pid: int) -> bool:
+    """Whether `pid` runs and will go on running. A process sent SIGKILL stays in state R/S
+    until the scheduler lets it die, which on a loaded machine takes a while: one with SIGKILL
+    pending, or already exiting, counts as dead, so a cell that killed its holder is reported
+    lost by that very cell rather than by whichever cell next finds the holder gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
+            fields = f.read().rpartition(b")")[2].split()
+        with open(f"/proc/{pid}/status", "rb") as f:
+            status = f.read()
     except OSError:
         return False
-    return data[data.rfind(b")") + 2:][:1] not in (b"Z", b"X")
+    if fields[0] in (b"Z", b"X") or int(fields[6]) & _PF_EXITING:
+        return False
+    for line in status.splitlines():
+        if line.startswith((b"SigPnd:", b"ShdPnd:")) and int(line.split()[1], 16) & _SIGKILL_BIT:
+            return False
+    return True
 
 
 def _is_int(x) -> bool:
