@@ -6,7 +6,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # A persistent compilation cache for the session, set as environment variables so the launcher
-# subprocesses (test_sft_launch, test_grpo_multihost, test_launch_eval) inherit it: the same step
+# subprocesses (test_sft_launch, test_grpo_loop, test_launch_eval) inherit it: the same step
 # compiled by another test, a resumed run or a second process is read back instead of rebuilt.
 # Every entry counts (no minimum compile time or size); the directory is the repo's ignored tmp/.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 # collection order, so starting the long ones first keeps a worker from ending the run alone with
 # one of them. Order only: a file missing here runs after these, as collected.
 _LONG_FIRST = (
-    "train/test_grpo_multihost.py", "train/test_sft_launch.py", "train/test_grpo_loop.py",
+    "train/test_grpo_loop.py", "train/test_sft_launch.py",
     "demo/test_demo.py", "test_launch_errors.py", "train/test_grpo_step.py", "train/test_sft_step.py",
     "eval/test_eval_sharding.py", "rollout/test_engine.py", "test_model_parity.py",
     "train/test_packing.py", "serve/test_server.py",
