@@ -25,8 +25,25 @@ def param(rngs: nnx.Rngs | None, shape, axes: tuple[str | None, ...], dtype, ini
     elif init == "zeros":
         value = jnp.zeros(shape, dtype)
     else:
-        value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+        value = (0.02 * _standard_normal(rngs.params(), tuple(shape))).astype(dtype)
     return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
+
+
+# XLA's CPU compiler builds the kernels of a threefry draw (its loop, the normal's inverse-erf)
+# once per distinct output shape, ~0.8 s each: a jitted init of the tiny model spent ~10 of its
+# ~12 s there. A parameter up to this many elements is drawn as a flat vector and reshaped: the
+# same numbers bit for bit (threefry's counters are the row-major element index, so a draw does
+# not depend on how its shape is split), and shapes of equal size share one kernel, 1-D ones
+# cheaper to build. Larger parameters keep their shape, so that a sharded initialiser draws each
+# shard where it lives instead of a whole flat vector first.
+FLAT_DRAW_MAX_ELEMENTS = 1 << 20
+
+
+def _standard_normal(key, shape: tuple[int, ...]):
+    n = math.prod(shape)
+    if n > FLAT_DRAW_MAX_ELEMENTS:
+        return jax.random.normal(key, shape, jnp.float32)
+    return jax.random.normal(key, (n,), jnp.float32).reshape(shape)
 
 
 class RMSNorm(nnx.Module):
