@@ -4,7 +4,8 @@
 milliseconds): LLVM's -O0 for XLA's CPU kernels cut a cold 8-step `launch.sft` tiny run from 73 s
 to 50 s of CPU on this machine, with the same losses to the printed digits. Not for runs that
 decode: a 2-step GRPO tiny run took 128 s of CPU at -O0 against 108 s at the default (its decode
-ran ~7x slower). In-process tests keep XLA's default: their tolerances were set against it (at -O0
+ran ~7x slower); the demo's mini preset decodes so little that -O0 still wins there (164 -> 133 s of
+CPU for `launch.demo`). In-process tests keep XLA's default: their tolerances were set against it (at -O0
 one GRPO mesh-invariance bound, 1e-5 on parameters, saw 1.2e-5: reductions summed in another order).
 """
 
