@@ -16,6 +16,7 @@ import threading
 
 import jax
 import orbax.checkpoint as ocp
+from absl import logging as absl_logging
 
 # Replica-parallel saving (orbax's default off GPU) has each replica of a replicated array write a
 # slice of it, and cuts that slice with an eager `lax.slice_in_dim`: one XLA compile per array
@@ -30,9 +31,14 @@ _array_handler_registered = False
 def _register_array_handler() -> None:
     global _array_handler_registered
     if not _array_handler_registered:
-        ocp.type_handlers.register_type_handler(
-            jax.Array, ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES),
-            override=True)
+        verbosity = absl_logging.get_verbosity()
+        absl_logging.set_verbosity(absl_logging.ERROR)  # orbax warns that it replaces its default handler
+        try:
+            ocp.type_handlers.register_type_handler(
+                jax.Array, ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES),
+                override=True)
+        finally:
+            absl_logging.set_verbosity(verbosity)
         _array_handler_registered = True
 
 
