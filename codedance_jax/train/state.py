@@ -3,8 +3,9 @@
 `TrainState` is a plain pytree (step, params, opt_state, rng): the NNX graph definition of the
 model is static and lives beside it (`ModelDef`), so the train step is a pure function of arrays
 and orbax saves the state as it is. Parameters and optimizer moments are placed by the logical
-axis rules (`codedance_jax.sharding`); the state is created directly on the mesh by a jitted
-initializer with explicit out shardings, never gathered on one device.
+axis rules (`codedance_jax.sharding`). A model above `SMALL_INIT_MAX_PARAMS` is created directly on
+the mesh by a jitted initializer with explicit out shardings, never gathered on one device; a
+smaller one is drawn on one device and placed (one program for every mesh).
 """
 
 from __future__ import annotations
@@ -72,6 +73,28 @@ def _strip(params_sh):
                         is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+# Models up to this many parameters (64 MiB in float32) are drawn by one program with no shardings,
+# on each process's first device, and then placed on the mesh. That program is the same for every
+# mesh, so the compilation cache serves it to each later mesh and process: the sharded init of the
+# tiny test model compiled for 5-8 s per mesh (of ~1 ms of work), and the suite builds it on a
+# dozen meshes. Larger models are drawn sharded, in place, never whole on one device.
+SMALL_INIT_MAX_PARAMS = 1 << 24
+
+
+def _n_params(abstract) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(abstract))
+
+
+def _small_random_params(cfg: ModelConfig, seed: int, p_sh):
+    """The random init on the host, placed by `p_sh`; every process draws the same numbers."""
+
+    def draw(key):
+        return nnx.split(Qwen25VL(cfg, rngs=nnx.Rngs(key)), nnx.Param, ...)[1]
+
+    host = jax.device_get(jax.jit(draw)(jax.random.key(seed)))
+    return jax.tree.map(lambda s, a: jax.make_array_from_callback(a.shape, s, lambda i: a[i]), p_sh, host)
+
+
 def create_train_state(cfg: ModelConfig, tx, mesh, *, seed: int = 0, rules=None, params: nnx.State | None = None,
                        sharding_tolerance: float = shd.DEFAULT_SHARDING_TOLERANCE):
     """(ModelDef, TrainState, TrainState-of-shardings). Random init unless `params` is given.
@@ -92,6 +115,8 @@ def create_train_state(cfg: ModelConfig, tx, mesh, *, seed: int = 0, rules=None,
 
     abstract_state = jax.eval_shape(wrap, abstract)
     sh = state_shardings(abstract_state, p_sh, mesh, tx)
+    if params is None and _n_params(abstract) <= SMALL_INIT_MAX_PARAMS:
+        params = _small_random_params(cfg, seed, p_sh)
     if params is None:
         state = jax.jit(init_random, out_shardings=sh)(jax.random.key(seed))
     else:  # already placed (e.g. from_pretrained(mesh=...)); only the optimizer state is new
