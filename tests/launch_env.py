@@ -1,25 +1,27 @@
-"""The environment of a launcher that a test starts as a subprocess (`python -m launch.*`).
+"""The environment of a process that a test starts (`python -m launch.*`, the server, the curator).
 
-`fast_compile=True` is for compile-bound runs (a few tiny SFT steps compile for seconds and run for
-milliseconds): LLVM's -O0 for XLA's CPU kernels cut a cold 8-step `launch.sft` tiny run from 73 s
-to 50 s of CPU on this machine, with the same losses to the printed digits. Not for runs that
-decode: a 2-step GRPO tiny run took 128 s of CPU at -O0 against 108 s at the default (its decode
-ran ~7x slower); the demo's mini preset decodes so little that -O0 still wins there (164 -> 133 s of
-CPU for `launch.demo`). In-process tests keep XLA's default: their tolerances were set against it (at -O0
-one GRPO mesh-invariance bound, 1e-5 on parameters, saw 1.2e-5: reductions summed in another order).
+It gets the test session's XLA flags without the 8-device count (the launcher's --cpu_devices
+decides), so it compiles at the session's optimization level: XLA's CPU backend at LLVM -O0
+(`tests/conftest.py`). The tests' programs compile for seconds and run for milliseconds, and a
+launcher whose numbers a test compares with in-process ones must compile them the same way.
 """
 
 import os
+import re
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 
-def launcher_env(fast_compile: bool = False, drop=(), **extra) -> dict:
-    """os.environ for a launcher: XLA_FLAGS without the test session's 8-device count (the
-    launcher's --cpu_devices decides), the repo importable, `drop` removed, `extra` added."""
+def subprocess_xla_flags() -> str:
+    """The session's XLA_FLAGS minus --xla_force_host_platform_device_count."""
+    return re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")).strip()
+
+
+def launcher_env(drop=(), **extra) -> dict:
+    """os.environ for a launcher: the session's XLA flags without its device count, the repo
+    importable, `drop` removed, `extra` added."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", *drop)}
-    if fast_compile:
-        env["XLA_FLAGS"] = FAST_COMPILE_XLA_FLAGS
+    if flags := subprocess_xla_flags():
+        env["XLA_FLAGS"] = flags
     env.update(PYTHONPATH=REPO, **extra)
     return env

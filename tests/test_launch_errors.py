@@ -89,7 +89,7 @@ CASES = [
 
 
 def _env(**extra) -> dict:
-    env = launcher_env(fast_compile=True, drop=("CODEDANCE_VERBOSE",), JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", **extra)
+    env = launcher_env(drop=("CODEDANCE_VERBOSE",), JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", **extra)
     env.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/jax_cache")
     return env
 

@@ -13,9 +13,7 @@ from launch_env import REPO, launcher_env
 
 def _launch(module, workdir, *flags):
     cmd = [sys.executable, "-m", f"launch.{module}", "--config=configs/demo.py:mini", f"--workdir={workdir}", *flags]
-    # XLA's -O0: the mini preset decodes little, so compiling is most of its cost (a quiet
-    # `launch.demo` mini run: 164 s of CPU at the default, 133 s at -O0). Nothing here checks a number.
-    out = subprocess.run(cmd, cwd=REPO, env=launcher_env(fast_compile=True), capture_output=True, text=True,
+    out = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True,
                          timeout=900)
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])
 

@@ -32,7 +32,11 @@ def write_tiny_checkpoint(d: str) -> str:
 
 def server_env() -> dict:
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the server runs on one CPU device, like the in-test reference engine
+    # The server runs on one CPU device, like the in-test reference engine, and compiles with the
+    # test session's other XLA flags (its optimization level), so their greedy tokens compare.
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.pop("XLA_FLAGS", "")).strip()
+    if flags:
+        env["XLA_FLAGS"] = flags
     env.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/jax_cache")
     env["PYTHONUNBUFFERED"] = "1"
     return env

@@ -17,7 +17,7 @@ ARGS = ["--config=configs/sft.py:tiny", "--config.total_steps=8", "--config.chec
 
 
 def _env():
-    return launcher_env(fast_compile=True)  # a few tiny SFT steps: compile-bound
+    return launcher_env()
 
 
 def _cmd(workdir, *extra):
