@@ -86,7 +86,8 @@ def _n_params(abstract) -> int:
 
 
 def _small_random_params(cfg: ModelConfig, seed: int, p_sh):
-    """The random init on the host, placed by `p_sh`; every process draws the same numbers."""
+    """The random init drawn on this process's first device, fetched, and placed by `p_sh`; every
+    process draws the same numbers, so each fills its own shards."""
 
     def draw(key):
         return nnx.split(Qwen25VL(cfg, rngs=nnx.Rngs(key)), nnx.Param, ...)[1]
