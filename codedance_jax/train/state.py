@@ -85,14 +85,14 @@ def _n_params(abstract) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(abstract))
 
 
+def _random_params(cfg: ModelConfig, key) -> nnx.State:
+    return nnx.split(Qwen25VL(cfg, rngs=nnx.Rngs(key)), nnx.Param, ...)[1]
+
+
 def _small_random_params(cfg: ModelConfig, seed: int, p_sh):
     """The random init drawn on this process's first device, fetched, and placed by `p_sh`; every
     process draws the same numbers, so each fills its own shards."""
-
-    def draw(key):
-        return nnx.split(Qwen25VL(cfg, rngs=nnx.Rngs(key)), nnx.Param, ...)[1]
-
-    host = jax.device_get(jax.jit(draw)(jax.random.key(seed)))
+    host = jax.device_get(jax.jit(lambda key: _random_params(cfg, key))(jax.random.key(seed)))
     return jax.tree.map(lambda s, a: jax.make_array_from_callback(a.shape, s, lambda i: a[i]), p_sh, host)
 
 
@@ -111,8 +111,7 @@ def create_train_state(cfg: ModelConfig, tx, mesh, *, seed: int = 0, rules=None,
         return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p), rng=rng)
 
     def init_random(key):
-        _, p, _ = nnx.split(Qwen25VL(cfg, rngs=nnx.Rngs(key)), nnx.Param, ...)
-        return wrap(p)
+        return wrap(_random_params(cfg, key))
 
     abstract_state = jax.eval_shape(wrap, abstract)
     sh = state_shardings(abstract_state, p_sh, mesh, tx)

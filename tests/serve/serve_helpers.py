@@ -7,6 +7,9 @@ import subprocess
 import sys
 import threading
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for benchmarks/serve.py
+from launch_env import launcher_env  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_CONTEXT = 1024
 
@@ -31,14 +34,10 @@ def write_tiny_checkpoint(d: str) -> str:
 
 
 def server_env() -> dict:
-    env = dict(os.environ)
     # The server runs on one CPU device, like the in-test reference engine, and compiles with the
     # test session's other XLA flags (its optimization level), so their greedy tokens compare.
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.pop("XLA_FLAGS", "")).strip()
-    if flags:
-        env["XLA_FLAGS"] = flags
+    env = launcher_env(PYTHONUNBUFFERED="1")
     env.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/jax_cache")
-    env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
