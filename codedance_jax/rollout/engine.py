@@ -86,7 +86,7 @@ class _Row:
     traj: Trajectory
     uid: int
     session: Any = None
-    session_future: Any = None  # the session being opened in the background (`_open_sessions`)
+    session_future: Any = None  # the session being opened in the background (`_want_session`)
     session_error: str | None = None
     phase: str = "decode"  # decode | queued | exec | ready | done | pad
     turn: int = 0
@@ -167,11 +167,14 @@ class RolloutEngine:
         self.index = 0
         self.logits = None
         self.script = script
+        self._opener = None
         try:
             self._open_sessions(prompts, group_size, sandbox)
             self._prefill(prompts, group_size)
             self._loop()
         finally:
+            if self._opener is not None:
+                self._opener.shutdown(wait=False)  # queued opens still run; `_close_later` closes them
             for r in self.rows:
                 if r.future is not None:
                     r.future.cancel()
@@ -269,26 +272,35 @@ class RolloutEngine:
                 self._start_turn(r)
 
     def _open_sessions(self, prompts, group_size, sandbox):
-        """Start opening every row's session, in row order, on a background thread.
+        """Get ready to give rows sandbox sessions; a row's session is opened when it first writes
+        the tool-call tag (`_want_session`), on one background thread, in the order rows ask.
 
-        The pool hands sessions over one at a time (~25 ms each on 2 cores, measured: 64 took 1.6 s
-        whether opened from 1 thread or 8), and a row needs its session only when its first cell is
-        ready. Opened up front on the host thread, they held the device idle for that long every
-        rollout; in the background they overlap the prefill and the first turn's decoding.
-        `_session(r)` waits for a row's own."""
-        files = [session_files(p.images) for p in prompts]
+        A session costs ~30 ms of CPU to open and ~12 ms to close (three forks of the warm zygote
+        and a namespace set-up; 64 took 1.96 + 0.74 CPU-s on 2 cores, measured). Opened for every
+        row up front, rows that answer without code paid that too, on the cores XLA runs on. A
+        code block spans several decode chunks, so an open started at the tag still overlaps the
+        rest of the block's decoding; `_session(r)` waits for the row's own if it has not."""
+        self._files = [session_files(p.images) for p in prompts]
+        self._group_size = group_size
+        self._sandbox = sandbox
+        self._opener = None
         if sandbox is None:
             for r in self.rows:
                 r.session_error = "no sandbox was given to the rollout"
+
+    def _want_session(self, r: _Row):
+        """Start opening the row's session in the background (once per row)."""
+        if self._sandbox is None or r.session is not None or r.session_future is not None or r.phase == "pad":
             return
-        opener = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-sessions")
-        for i, r in enumerate(self.rows):
-            if r.phase != "pad":
-                r.session_future = opener.submit(sandbox.new_session, files=files[i // group_size])
-        opener.shutdown(wait=False)  # the queued opens still run; the thread ends after the last
+        if self._opener is None:
+            self._opener = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-sessions")
+        files = self._files[self.rows.index(r) // self._group_size]
+        r.session_future = self._opener.submit(self._sandbox.new_session, files=files)
 
     def _session(self, r: _Row):
-        """The row's session (waiting for it to open), or None with `session_error` set."""
+        """The row's session (opening it now if it was never asked for, and waiting for it), or None
+        with `session_error` set."""
+        self._want_session(r)
         if r.session_future is not None:
             fut, r.session_future = r.session_future, None
             try:
@@ -520,6 +532,8 @@ class RolloutEngine:
         r.next_pos += len(toks)
         del r.forced[: len(toks)]
         text = self.processor.decode(r.turn_ids)
+        if self.fmt.call_open in text:
+            self._want_session(r)
         stop = turn_lib.find_stop(text, self.fmt)
         if stop is None and out.active[i]:
             return

@@ -83,9 +83,9 @@ def test_code_turn_with_image_continues_with_image_in_context(engine, model, pro
     n1 = engine.cfg.max_turn_tokens
     assert t0.loss_mask == [0] * p + [1] * len(code_ids) + [0] * len(obs_ids) + [1] * n1
     assert t0.turn_ids == [-1] * p + [0] * len(code_ids) + [-1] * len(obs_ids) + [1] * n1
-    assert pool.sessions[0].files.keys() == {"image.png"} and pool.sessions[0].calls == [
-        'show(56, 56)\nprint("size 56")\n'
-    ]
+    # Sessions open in the order rows reach `<code>`, not in row order.
+    assert all(s.files.keys() == {"image.png"} for s in pool.sessions)
+    assert sorted(s.calls for s in pool.sessions) == [['print("hi")\n'], ['show(56, 56)\nprint("size 56")\n']]
 
     ref = assert_logprobs_match(model, processor, trajs)
     # Control: another picture in place of the observation's image changes what follows it.
@@ -229,6 +229,37 @@ def test_batched_appends_keep_trajectories_and_save_calls(model, processor):
     np.testing.assert_allclose(np.concatenate([t.logprobs for t in a]), np.concatenate([t.logprobs for t in b]),
                                atol=1e-5)
     assert sb.appends <= sa.appends and sb.appends >= 1
+
+
+def test_sessions_open_only_for_rows_that_write_the_tool_call_tag(model, processor):
+    """A row gets a sandbox session when its turn first shows `<code>` (while the block is still
+    being decoded), never if it answers without it; each with its own prompt's image, all closed."""
+    import time
+
+    from codedance_jax.rollout.prompts import session_files
+
+    prompts = make_prompts(processor, 3, seed=13)
+    mention = "<think>maybe <code> helps, no</think>\n<answer>7</answer>"  # the tag, but no call
+
+    def script(r, m):
+        if r % 4 == 0:
+            return CODE_IMG if m == 0 else ANSWER
+        return mention if r % 4 == 1 else ANSWER
+
+    pool = FakePool(0.01)
+    eng = RolloutEngine(model, processor, small_config(), SamplingConfig(greedy=True))
+    trajs, stats = eng.rollout(prompts, 4, pool, script=script)
+    coders = [i for i in range(12) if i % 4 == 0]
+    assert [t.turn_status[0] for t in trajs] == ["ok" if i in coders else "no_code" for i in range(12)]
+    assert stats.executions == len(coders)
+    assert len(pool.sessions) == 6  # rows 0, 1, 4, 5, 8, 9: the tag, not the call, opens a session
+    want = sorted(tuple(sorted(session_files(prompts[i // 4].images).items())) for i in range(12) if i % 4 < 2)
+    assert sorted(tuple(sorted(s.files.items())) for s in pool.sessions) == want
+    assert sorted(len(s.calls) for s in pool.sessions) == [0, 0, 0, 1, 1, 1]
+    deadline = time.time() + 10
+    while not all(s.closed for s in pool.sessions) and time.time() < deadline:
+        time.sleep(0.01)
+    assert all(s.closed for s in pool.sessions)
 
 
 def test_shared_prefill_and_row_subsets_keep_trajectories(model, processor):
