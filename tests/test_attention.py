@@ -71,3 +71,41 @@ def test_blocked_causal_attention_equals_one_block_in_values_and_gradients(kind,
     for gb, g1 in zip(jax.tree.leaves(grads_b), jax.tree.leaves(grads_1), strict=True):
         np.testing.assert_allclose(gb, g1, rtol=1e-4, atol=1e-6)
         assert float(jnp.abs(g1).max()) > 1e-4
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 2), (4, 4)])
+def test_one_token_decode_step_equals_plain_attention_over_the_cache(heads, kv_heads):
+    """A one-token step against a cache takes each KV head's query heads one at a time (M = 1
+    products); the result is plain softmax attention over the valid slots, per head."""
+    cfg = TextConfig(vocab_size=64, hidden_size=8 * heads, intermediate_size=48, num_hidden_layers=1,
+                     num_attention_heads=heads, num_key_value_heads=kv_heads, mrope_section=(1, 1, 2))  # head_dim 8
+    attn = text.Attention(cfg, dtype=jnp.float32, rngs=nnx.Rngs(1))
+    rng = np.random.default_rng(heads * 10 + kv_heads)
+    b, s, index, h = 5, 24, 17, cfg.head_dim
+    x = jnp.asarray(rng.normal(size=(b, 1, cfg.hidden_size)), jnp.float32)
+    ang = rng.normal(size=(b, 1, h // 2))
+    cos = jnp.asarray(np.cos(np.concatenate([ang, ang], -1)), jnp.float32)
+    sin = jnp.asarray(np.sin(np.concatenate([ang, ang], -1)), jnp.float32)
+    ck = rng.normal(size=(b, kv_heads, s, h)).astype(np.float32)
+    cv = rng.normal(size=(b, kv_heads, s, h)).astype(np.float32)
+    valid = rng.random((b, s)) < 0.6
+    valid[:, index] = True  # the new token's own slot
+    mask = text.cache_mask(jnp.asarray(valid), index, 1)
+    out, (k_all, v_all) = jax.jit(lambda x: attn(x, cos, sin, mask, (jnp.asarray(ck), jnp.asarray(cv)), index))(x)
+    # The reference: the step's own query, keys and values (written at `index`), attention in numpy.
+    q = jnp.einsum("btd,dnh->btnh", x, attn.q_kernel.value) + attn.q_bias.value
+    q = np.asarray(text.rope.apply_rope(q, cos[:, :, None], sin[:, :, None]))[:, 0]  # [B, N, H]
+    k_all, v_all = np.asarray(k_all), np.asarray(v_all)
+    np.testing.assert_allclose(np.delete(k_all, index, axis=2), np.delete(ck, index, axis=2))
+    see = np.asarray(mask)[:, 0]  # [B, S]
+    ref = np.zeros((b, heads, h), np.float32)
+    for n in range(heads):
+        kv = n // (heads // kv_heads)
+        logits = np.einsum("bh,bsh->bs", q[:, n], k_all[:, kv]) * h**-0.5
+        logits = np.where(see, logits, -np.inf)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        ref[:, n] = np.einsum("bs,bsh->bh", p, v_all[:, kv])
+    want = ref.reshape(b, 1, heads * h) @ np.asarray(attn.o_kernel.value).reshape(heads * h, cfg.hidden_size)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+    assert float(np.abs(want).max()) > 1e-3
