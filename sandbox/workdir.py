@@ -19,6 +19,10 @@ Whatever a cell may do to its own tree, the walk keeps working:
 
 Runs as the session's uid after every other process of the session except the idle holder is
 dead, so nothing races it. FIFOs, sockets and device nodes are not kept: a restore removes them.
+Only entries the session's uid owns are walked: the cell cannot create any other, and the
+directories the sandbox makes as root on the tmpfs (the path down to an interpreter tree bound
+under /tmp, e.g. a checkout in /tmp/x with its .venv) are neither the cell's to change nor ours to
+chmod (a restore walking into one failed with EPERM and lost the session).
 """
 
 from __future__ import annotations
@@ -124,6 +128,7 @@ class Snapshot:
         os.chmod(self.root, 0o700)  # the session's tmpfs root: the cell may have chmod'ed it
         live = os.open(self.root, _DIR_FLAGS)
         self.dev = os.fstat(live).st_dev
+        self.uid = os.getuid()
         self.now = time.clock_gettime_ns(_REALTIME_COARSE)
         try:
             fn(live)
@@ -154,7 +159,7 @@ class Snapshot:
 
     def _sync_dir(self, lfd: int, mfd: int, old: dict[str, _Node]) -> dict[str, _Node]:
         entries = {n: st for n, st in _entries(lfd).items() if st.st_dev == self.dev
-                   and _kind(st.st_mode) != "o"}
+                   and st.st_uid == self.uid and _kind(st.st_mode) != "o"}
         for name, node in old.items():
             st = entries.get(name)
             if st is None or _kind(st.st_mode) != node.kind:
@@ -210,7 +215,7 @@ class Snapshot:
         self._pass(run)
 
     def _restore_dir(self, lfd: int, mfd: int, tree: dict[str, _Node], create: bool) -> None:
-        entries = {n: st for n, st in _entries(lfd).items() if st.st_dev == self.dev}
+        entries = {n: st for n, st in _entries(lfd).items() if st.st_dev == self.dev and st.st_uid == self.uid}
         if not create:
             for name, st in list(entries.items()):
                 node, kind = tree.get(name), _kind(st.st_mode)

@@ -277,3 +277,44 @@ def test_cv2_streams_differ_between_sessions(pool):
         with pool.new_session() as s:
             outs.add(s.execute(code).stdout)
     assert len(outs) == 3
+
+
+def test_a_failed_cell_rolls_back_when_the_interpreter_lives_under_tmp(tmp_path_factory):
+    """A checkout under /tmp (its .venv bound into the session's tmpfs at the same path, below
+    directories the sandbox makes as root): a failed cell rolls the files back and the session
+    goes on. Before, the rollback walked into those root-owned directories and lost the session
+    (EPERM), which failed most sandbox tests of a suite run from a clone in /tmp."""
+    import json
+    import subprocess
+    import sys
+    import sysconfig
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="checkout-", dir="/tmp")  # under /tmp whatever TMPDIR says
+    try:
+        venv = os.path.join(root, "co", ".venv")
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
+        py = os.path.join(venv, "bin", "python")
+        site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              check=True, capture_output=True, text=True).stdout.strip()
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        with open(os.path.join(site, "outer.pth"), "w") as f:  # this venv's packages and the repo
+            f.write(f"{sysconfig.get_paths()['purelib']}\n{repo}\n")
+        script = (
+            "import json, sys\nfrom sandbox.pool import SandboxPool\n"
+            "assert sys.prefix.startswith('/tmp/'), sys.prefix\n"
+            "with SandboxPool(num_workers=1, timeout_s=5.0, memory_mb=512, disk_mb=16, max_files=200) as p:\n"
+            "    with p.new_session() as s:\n"
+            "        a = s.execute(\"open('kept.txt', 'w').write('kept'); x = 41\")\n"
+            "        b = s.execute(\"open('kept.txt', 'w').write('lost'); open('new.txt', 'w'); x = 0; raise ValueError('boom')\")\n"
+            "        c = s.execute(\"import os; print(open('kept.txt').read(), x + 1, os.path.exists('new.txt'))\")\n"
+            "print(json.dumps([[r.status, r.stdout, r.stderr] for r in (a, b, c)]))\n")
+        out = subprocess.run([py, "-c", script], capture_output=True, text=True, timeout=120, cwd=root)
+        assert out.returncode == 0, out.stderr[-3000:]
+        a, b, c = json.loads(out.stdout.strip().splitlines()[-1])
+        assert a[0] == "ok" and b[0] == "error" and "boom" in b[2]
+        assert c[:2] == ["ok", "kept 42 False\n"], c
+    finally:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
