@@ -5,7 +5,10 @@ import os
 import socket
 
 import pytest
-from conftest import SECRET
+
+# Set by conftest (before this module is imported) in the trainer's environment: no cell may see it.
+# Read from there: "from conftest import" picks whichever test dir's conftest came first.
+SECRET = os.environ["CODEDANCE_SANDBOX_TEST_SECRET"]
 
 SETUP = "state = 41\nopen('kept.txt', 'w').write('kept')"
 CHECK = "state += 1\nimport os\nprint(state, open('kept.txt').read(), sorted(os.listdir('.')))"
@@ -126,7 +129,7 @@ def test_no_reads_outside_the_session(pool):
 
 
 def test_host_environment_is_not_visible(pool):
-    assert os.environ.get("CODEDANCE_SANDBOX_TEST_SECRET") == SECRET
+    assert len(SECRET) >= 8  # set in the trainer, and long enough not to appear in output by chance
     with pool.new_session() as s:
         r = s.execute("import os\nprint(dict(os.environ))\n"
                       "print(open('/proc/self/environ', 'rb').read())\n"

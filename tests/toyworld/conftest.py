@@ -8,7 +8,7 @@ import pytest
 # `data` and `sandbox` are top-level packages of the repository (not installed).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-TINY = dict(n_sft=12, n_rl=8, n_eval=6, seed=3)
+from toyworld_sizes import TINY  # a module of its own: "from conftest import" is ambiguous across test dirs
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ import json
 import os
 
 import pytest
-from conftest import TINY
+from toyworld_sizes import TINY
 
 from data.toyworld import generate_world, load_prompts
 from data.toyworld.tasks import verify_answer
