@@ -37,7 +37,11 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         freeze=(),  # parameter groups without updates, e.g. ("visual",) (`train.optim`)
     ))
     # R_BAT (SPEC section 4): preset paper | release; mode full | no_turn | tool_bonus | outcome.
-    c.rbat = ml_collections.ConfigDict(dict(preset="paper", mode="full", gamma=4.0, delta=0.2, beta=0.2))
+    # seq_eps / w_turn: None keeps the preset's value (paper: 1e-6 and 1; release: 1e-6 and 0.2). A larger
+    # seq_eps damps groups whose rewards barely differ (A_seq = (r - mean) / (std + seq_eps)).
+    c.rbat = ml_collections.ConfigDict(dict(preset="paper", mode="full", gamma=4.0, delta=0.2, beta=0.2,
+                                            seq_eps=ml_collections.FieldReference(None, field_type=float),
+                                            w_turn=ml_collections.FieldReference(None, field_type=float)))
     c.loss = ml_collections.ConfigDict(dict(clip_eps=0.2, aggregation="seq_mean", kl_coef=0.0))
     # True: the old log-probs are the trainer's (the update's own forward, as a verl recompute would give
     # with one update per batch; `logprob_mismatch` checks them against the sampler's); False: the sampler's.

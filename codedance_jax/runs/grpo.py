@@ -54,7 +54,8 @@ def rbat_config(c) -> RBATConfig:
         raise ConfigError(f"config.rbat.preset={c.preset!r}: choose paper (the paper's formulas) or release "
                           f"(the released code's; SPEC, R_BAT presets)")
     base = presets[c.preset]
-    return base(mode=c.mode, gamma=float(c.gamma), delta=float(c.delta), beta=float(c.beta))
+    optional = {k: float(c[k]) for k in ("seq_eps", "w_turn") if c.get(k) is not None}  # None: the preset's
+    return base(mode=c.mode, gamma=float(c.gamma), delta=float(c.delta), beta=float(c.beta), **optional)
 
 
 def loss_config(c) -> GRPOLossConfig:

@@ -22,7 +22,8 @@ def _sigmoid(x):
     return 1.0 / (1.0 + math.exp(-x))
 
 
-def reference_paper(acc, fmt_ok, is_tool, failed, G, mode="full", gamma=4.0, delta=0.2, beta=0.2):
+def reference_paper(acc, fmt_ok, is_tool, failed, G, mode="full", gamma=4.0, delta=0.2, beta=0.2, seq_eps=1e-6,
+                    w_turn=1.0):
     """SPEC §4, `paper` column, one trajectory at a time."""
     B, M = is_tool.shape
     r = np.zeros(B)
@@ -44,7 +45,7 @@ def reference_paper(acc, fmt_ok, is_tool, failed, G, mode="full", gamma=4.0, del
         mean = sum(grp) / G
         std = math.sqrt(sum((x - mean) ** 2 for x in grp) / G)
         for i in range(G):
-            a_seq[p * G + i] = (grp[i] - mean) / (std + 1e-6)
+            a_seq[p * G + i] = (grp[i] - mean) / (std + seq_eps)
     a_turn = np.zeros((B, M))
     if mode != "full":
         return a_seq, a_turn
@@ -62,7 +63,7 @@ def reference_paper(acc, fmt_ok, is_tool, failed, G, mode="full", gamma=4.0, del
         for b in range(B):
             for m in range(M):
                 if is_tool[b, m]:
-                    a_turn[b, m] = (returns[b, m] - mu) / (sd + 1e-6)
+                    a_turn[b, m] = w_turn * (returns[b, m] - mu) / (sd + 1e-6)
     return a_seq, a_turn
 
 
@@ -350,3 +351,28 @@ def test_config_validation_and_registry():
             group_size=4,
             cfg=RBATConfig(),
         )
+
+
+def test_run_config_overrides_seq_eps_and_w_turn_else_keeps_the_preset():
+    """configs/grpo.py's rbat block: seq_eps / w_turn None keep each preset's value; set, they reach
+    the kernel, which then matches the paper reference with the same epsilon and weight."""
+    from codedance_jax.runs.grpo import rbat_config
+    from configs import grpo as grpo_configs
+
+    c = grpo_configs.get_config("tiny").rbat
+    for preset, factory in (("paper", RBATConfig.paper), ("release", RBATConfig.release)):
+        c.preset = preset
+        assert rbat_config(c) == factory(mode=c.mode, gamma=c.gamma, delta=c.delta, beta=c.beta)
+    c.preset, c.seq_eps, c.w_turn = "paper", 0.5, 0.3
+    cfg = rbat_config(c)
+    assert (cfg.seq_eps, cfg.w_turn) == (0.5, 0.3)
+    rng = np.random.default_rng(7)
+    acc = rng.integers(0, 2, 16).astype(np.float32)
+    fmt_ok, is_tool = rng.random(16) < 0.8, rng.random((16, 3)) < 0.6
+    failed = rng.random((16, 3)) < 0.3
+    a_seq, a_turn = _run(cfg, acc, fmt_ok, is_tool, failed, 4)
+    ref_seq, ref_turn = reference_paper(acc, fmt_ok, is_tool, _clean(failed, is_tool), 4, seq_eps=0.5, w_turn=0.3)
+    np.testing.assert_allclose(a_seq, ref_seq, atol=1e-5)
+    np.testing.assert_allclose(a_turn, ref_turn, atol=1e-5)
+    base_seq, _ = _run(RBATConfig.paper(), acc, fmt_ok, is_tool, failed, 4)
+    assert np.abs(a_seq).sum() < np.abs(base_seq).sum()  # the larger epsilon damps every group
