@@ -151,6 +151,10 @@ class Snapshot:
             self._links[st.st_ino] = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC,
                                              dir_fd=dst_dir)
 
+    def _own_entries(self, dfd: int) -> dict[str, os.stat_result]:
+        """A live directory's entries on the session's tmpfs and owned by its uid (see the module doc)."""
+        return {n: st for n, st in _entries(dfd).items() if st.st_dev == self.dev and st.st_uid == self.uid}
+
     # live -> mirror, after a successful cell
     def sync(self) -> None:
         def run(live: int) -> None:
@@ -158,8 +162,7 @@ class Snapshot:
         self._pass(run)
 
     def _sync_dir(self, lfd: int, mfd: int, old: dict[str, _Node]) -> dict[str, _Node]:
-        entries = {n: st for n, st in _entries(lfd).items() if st.st_dev == self.dev
-                   and st.st_uid == self.uid and _kind(st.st_mode) != "o"}
+        entries = {n: st for n, st in self._own_entries(lfd).items() if _kind(st.st_mode) != "o"}
         for name, node in old.items():
             st = entries.get(name)
             if st is None or _kind(st.st_mode) != node.kind:
@@ -215,7 +218,7 @@ class Snapshot:
         self._pass(run)
 
     def _restore_dir(self, lfd: int, mfd: int, tree: dict[str, _Node], create: bool) -> None:
-        entries = {n: st for n, st in _entries(lfd).items() if st.st_dev == self.dev and st.st_uid == self.uid}
+        entries = self._own_entries(lfd)
         if not create:
             for name, st in list(entries.items()):
                 node, kind = tree.get(name), _kind(st.st_mode)

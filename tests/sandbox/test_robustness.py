@@ -279,7 +279,7 @@ def test_cv2_streams_differ_between_sessions(pool):
     assert len(outs) == 3
 
 
-def test_a_failed_cell_rolls_back_when_the_interpreter_lives_under_tmp(tmp_path_factory):
+def test_a_failed_cell_rolls_back_when_the_interpreter_lives_under_tmp():
     """A checkout under /tmp (its .venv bound into the session's tmpfs at the same path, below
     directories the sandbox makes as root): a failed cell rolls the files back and the session
     goes on. Before, the rollback walked into those root-owned directories and lost the session
