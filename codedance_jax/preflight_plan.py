@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from codedance_jax import preflight as pf
 from codedance_jax import preflight_rollout
+from codedance_jax.model import flash
 from codedance_jax.model.config import ModelConfig
 from codedance_jax.rl.grpo_loss import GRPOLossConfig
 from codedance_jax.train import flops, grpo, optim, sft
@@ -35,6 +36,7 @@ class Entry:
     kwargs: dict = dataclasses.field(default_factory=dict)  # static keyword arguments of the call
     chips: int = 0  # devices it runs on (0 = the whole slice)
     resident_bytes: int = 0  # per chip, held by the caller during the call besides the arguments
+    uncounted_flops: float = 0.0  # over the devices: kernel work XLA's cost model does not see (flash backward)
 
 
 @dataclasses.dataclass
@@ -70,7 +72,9 @@ def model_config(config) -> tuple[ModelConfig, str]:
         name, note = "tiny", "toy model preflighted as the tiny preset (same layout, Qwen vocabulary)"
     if name not in PRESETS:
         raise ValueError(f"config.model={config.model!r}: preflight knows the presets {sorted(PRESETS)}")
-    cfg = PRESETS[name]().replace(dtype=config.dtype, param_dtype=config.param_dtype, remat=config.remat)
+    # Compiled for a TPU: "auto" attention is the TPU kernel there, as on the pod.
+    cfg = PRESETS[name]().replace(dtype=config.dtype, param_dtype=config.param_dtype, remat=config.remat,
+                                  attention=flash.resolve(config.get("attention", "auto"), platform="tpu"))
     return cfg, note
 
 
@@ -119,12 +123,17 @@ def with_shardings(shapes: dict, mesh, rules=None) -> tuple[dict, dict]:
 
 def plan_from_config(config, topology: str, *, empty_batch, rows_per_chip: int = 0, bucket: int = -1,
                      devices=None, depth: tuple[int, int] | None = None, only: str = "",
-                     rollout_chips: int = 0) -> Plan:
+                     rollout_chips: int = 0, cost_model: bool = False) -> Plan:
     """The Plan of an SFT (configs/sft.py) or GRPO (configs/grpo.py) config on `topology`.
 
     A GRPO plan also holds the rollout engine's functions at one host's shapes
     (`preflight_rollout`; `rollout_chips`: chips of a host its rows are split over, 0 = all of
-    them). `only`: "train" (the training steps) or "rollout" (the rollout functions); "" = both."""
+    them). `only`: "train" (the training steps) or "rollout" (the rollout functions); "" = both.
+
+    cost_model: the training steps as one micro-batch with the output layer in one chunk (no loop),
+    for XLA's cost analysis, which counts a loop body once: the micro-batch scan and the
+    vocabulary-chunk loop made its flops and time cover 1/grad_accum of the step and one chunk of
+    the output layer. Same rows per chip; the memory of this variant is not the run's."""
     if only not in ("", "train", "rollout"):
         raise ValueError(f"--only={only!r}: expected train or rollout (or nothing for both)")
     chip, dims = pf.parse_topology(topology)
@@ -159,6 +168,9 @@ def plan_from_config(config, topology: str, *, empty_batch, rows_per_chip: int =
         raise ValueError(f"global batch {rows} rows does not split into mesh data*fsdp={shards} x grad_accum={accum}; "
                          f"set --config.grad_accum to a divisor of {rows // shards if rows >= shards else rows} or "
                          "--rows_per_chip")
+    chunk = 512  # the steps' default token chunk of the output layer
+    if cost_model:
+        rows, accum, chunk = rows // accum, 1, bk[0]
     shapes = batch_shapes(empty_batch(bk, cfg.vision), rows)
     tx, sched = optim.make_optimizer(config.optim, config.total_steps)
     mdef, state, state_sh = abstract_train_state(cfg, tx, mesh, rules)
@@ -166,11 +178,13 @@ def plan_from_config(config, topology: str, *, empty_batch, rows_per_chip: int =
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=replicated)
     t, nb = bk[0], bk[1]
     train_flops = flops.train_flops(cfg, rows * t, t, rows * nb * cfg.vision.merge_unit)
+    bwd_kernel = flash_backward_flops(cfg, rows, t, bk[2])
     train_entries = []
     if kind == "sft":
         batch, bsh = with_shardings({k: v for k, v in shapes.items() if k in sft.BATCH_FIELDS}, mesh, rules)
-        step = sft.make_train_step(mdef, tx, sched, state_sh, bsh, mesh, accum_steps=accum, rules=rules)
-        train_entries.append(Entry("sft.train_step", step, (state, batch, key), train_flops, note))
+        step = sft.make_train_step(mdef, tx, sched, state_sh, bsh, mesh, accum_steps=accum, chunk=chunk, rules=rules)
+        train_entries.append(Entry("sft.train_step", step, (state, batch, key), train_flops, note,
+                                   uncounted_flops=bwd_kernel))
     else:
         m = config.rollout.max_turns
         extra = {"old_logprobs": jax.ShapeDtypeStruct((rows, t), np.float32),
@@ -182,21 +196,40 @@ def plan_from_config(config, topology: str, *, empty_batch, rows_per_chip: int =
         batch, bsh = with_shardings({**shapes, **extra}, mesh, rules)
         lp_batch = {k: v for k, v in batch.items() if k in sft.BATCH_FIELDS}
         lp_fn = grpo.make_logprob_fn(mdef, state_sh.params, {k: bsh[k] for k in lp_batch}, mesh,
-                                     temperature=config.rollout.temperature, accum_steps=accum, rules=rules)
+                                     temperature=config.rollout.temperature, accum_steps=accum, chunk=chunk, rules=rules)
         train_entries.append(Entry("grpo.old_logprobs", lp_fn, (state.params, lp_batch), train_flops / 3, note))
         step = grpo.make_grpo_step(mdef, tx, sched, GRPOLossConfig(clip_eps=float(config.loss.clip_eps), aggregation=config.loss.aggregation,
                                                   kl_coef=float(config.loss.kl_coef)), state_sh, bsh, mesh, accum_steps=accum,
-                                   temperature=config.rollout.temperature, rules=rules)
-        train_entries.append(Entry("grpo.train_step", step, (state, batch, key), train_flops, note))
+                                   temperature=config.rollout.temperature, chunk=chunk, rules=rules)
+        train_entries.append(Entry("grpo.train_step", step, (state, batch, key), train_flops, note,
+                                   uncounted_flops=bwd_kernel))
     return Plan(kind, topology, chip, len(devices), dict(mesh.shape), config.model, rows, accum, bk,
                 train_entries + entries, rollout)
+
+
+def flash_backward_flops(cfg: ModelConfig, rows: int, tokens: int, windows: int) -> float:
+    """Flops of the flash kernel's backward (dq and dk/dv kernels) in one training step, which XLA's
+    cost model does not count: the Pallas backward calls carry no cost estimate, and XLA costs
+    them by their operand bytes only. ~2.5x the forward's two matmuls: 5 T^2 D per causal text
+    layer (half the blocks), 10 S^2 D per full-attention vision block. 0 with XLA attention."""
+    if cfg.attention != "flash":
+        return 0.0
+    t, v = cfg.text, cfg.vision
+    total = 0.0
+    if flash.usable(tokens):
+        total += t.num_hidden_layers * rows * 5.0 * tokens**2 * t.hidden_size
+    s = windows * v.window_merged**2 * v.merge_unit  # a row's patch slots in the vision tower
+    if flash.usable(s):
+        total += len([i for i in v.fullatt_block_indexes if i < v.depth]) * rows * 10.0 * s**2 * v.hidden_size
+    return total
 
 
 def compile_plan(plan: Plan) -> list[pf.Report]:
     """Compiles the entries one at a time (each frees its executable before the next)."""
     return [pf.compile_report(e.name, e.jitted, e.args, chip=plan.chip, chips=e.chips or plan.chips,
                               model_flops_total=e.model_flops, note=e.note, kwargs=e.kwargs,
-                              resident_bytes=e.resident_bytes) for e in plan.entries]
+                              resident_bytes=e.resident_bytes, uncounted_flops_total=e.uncounted_flops)
+            for e in plan.entries]
 
 
 # Base depth and the two one-layer steps that measure a text layer's and a vision block's share.

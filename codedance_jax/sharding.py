@@ -275,6 +275,25 @@ def constrain_batch(x, batch_dim: int = 0):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
 
 
+def kernel_specs(batch: int, heads: int):
+    """Under `compute_sharding`: (mesh, batch mesh axes, head mesh axis) for a `shard_map`ped kernel
+    over [batch, heads, ...] operands (flash attention), each None where it does not divide; None
+    outside the context. XLA cannot partition a Pallas call itself (see `model.flash`)."""
+    ctx = _COMPUTE.get()
+    if ctx is None:
+        return None
+    mesh, rules = ctx
+
+    def fit(s, n):
+        axes = () if s is None else ((s,) if isinstance(s, str) else tuple(s))
+        size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+        return s if axes and n % size == 0 else None
+
+    b = logical_to_spec(("batch",), rules, mesh)
+    h = logical_to_spec(("q_heads",), rules, mesh)
+    return mesh, fit(b[0] if len(b) else None, batch), fit(h[0] if len(h) else None, heads)
+
+
 def constrain_like_params(tree):
     """Under `compute_sharding`: a pytree of nnx Variables (e.g. gradients) laid out as the parameters."""
     ctx = _COMPUTE.get()

@@ -19,6 +19,8 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.dtype = "bfloat16"
     c.param_dtype = "float32"
     c.remat = "full"
+    # Training-forward attention: xla | flash (Pallas TPU kernel) | auto (flash on TPU; model/flash.py).
+    c.attention = "auto"
     c.seed = 0
 
     c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))

@@ -3,6 +3,11 @@ r"""Compile a run's jitted steps for a TPU slice on this (CPU) machine: memory a
   python -m launch.preflight --config=configs/sft.py:qwen25vl_7b --config.grad_accum=2 --topology=v5p:4x4x4
   python -m launch.preflight --config=configs/grpo.py:qwen25vl_7b --topology=v5p:4x4x4
   python -m launch.preflight --config=configs/grpo.py:qwen25vl_7b --topology=v5p:4x4x4 --only=rollout
+  python -m launch.preflight --config=configs/sft.py:qwen25vl_7b --config.grad_accum=2 --extrapolate_depth --cost_model
+
+--cost_model compiles the training steps as one micro-batch with the output layer in one chunk:
+XLA's cost analysis counts a loop body once, so only this variant's MFU column covers the step.
+With attention "auto" (the configs' default) the steps use the Pallas flash kernel, as on a pod.
 
 A GRPO config also compiles the rollout engine's jitted functions (prefill at each prompt bucket,
 decode chunk, append at each observation bucket, vision) for ONE host of the slice (4 chips per
@@ -32,6 +37,9 @@ _ONLY = flags.DEFINE_enum("only", "", ["", "train", "rollout"], "GRPO: compile o
                           "rollout engine's functions (default: both)")
 _ROLLOUT_CHIPS = flags.DEFINE_integer("rollout_chips", 0, "GRPO: chips of one host the rollout's rows are split "
                                       "over (0 = all of the host's chips; 1 = one chip holds the host's batch)")
+_COST = flags.DEFINE_bool("cost_model", False, "compile the training steps as one micro-batch with the output layer "
+                          "in one chunk, so that XLA's cost analysis (which counts a loop body once) covers the whole "
+                          "step: use its MFU column; its memory is not the run's")
 _JSON = flags.DEFINE_string("json_out", "", "also write the reports as JSON here")
 
 
@@ -62,7 +70,8 @@ def main(argv):
     def make_plan(depth=None):
         return runs.plan_from_config(config, _TOPOLOGY.value, rows_per_chip=_ROWS.value, bucket=_BUCKET.value,
                                      empty_batch=lambda bucket, vcfg: collate([], bucket, pad_id=0, vision_cfg=vcfg),
-                                     depth=depth, only=_ONLY.value, rollout_chips=_ROLLOUT_CHIPS.value)
+                                     depth=depth, only=_ONLY.value, rollout_chips=_ROLLOUT_CHIPS.value,
+                                     cost_model=_COST.value)
 
     try:
         if _DEPTH.value:

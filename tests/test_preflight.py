@@ -48,7 +48,7 @@ def test_largest_buffers_reads_optimized_hlo_lines():
     assert size == 2 * 4096 * 152064 * 2 and "jit(step)/dot_general" in label and size2 == 512
 
 
-def _plan(topology, rows_per_chip=1, preset="tiny", config_file="configs/sft.py", only="", **overrides):
+def _plan(topology, rows_per_chip=1, preset="tiny", config_file="configs/sft.py", only="", cost_model=False, **overrides):
     import importlib.util
 
     from codedance_jax import preflight_plan
@@ -66,7 +66,7 @@ def _plan(topology, rows_per_chip=1, preset="tiny", config_file="configs/sft.py"
             target = target[p]
         target[([node, *path])[-1]] = v
     return preflight_plan.plan_from_config(
-        config, topology, rows_per_chip=rows_per_chip, bucket=0, only=only,
+        config, topology, rows_per_chip=rows_per_chip, bucket=0, only=only, cost_model=cost_model,
         empty_batch=lambda b, v: collate([], b, pad_id=0, vision_cfg=v))
 
 
@@ -134,3 +134,27 @@ def test_grpo_rollout_functions_compile_for_one_host_with_rows_split_over_its_ch
     for name in ("rollout.decode_chunk x16", "rollout.append@64"):
         assert by[name].alias_bytes >= cache_per_chip, (name, by[name].alias_bytes)  # the cache is donated
     assert by["rollout.vision@64"].xla_flops > 0 and by["rollout.prefill@128"].xla_flops > 0
+
+
+@needs_libtpu
+def test_flash_attention_kernel_runs_per_chip_and_the_cost_model_variant_counts_the_whole_step():
+    """attention="auto" compiles the Pallas TPU kernel for a TPU, inside shard_map: each chip's
+    kernel call takes its own rows (2), never the global batch (16). The cost-model variant (one
+    micro-batch, one output-layer chunk) leaves no loop for XLA's cost analysis to undercount."""
+    import re
+
+    plan = _plan("v5e:2x2", 2, grad_accum=2, only="train")
+    e = plan.entries[0]
+    compiled = e.jitted.lower(*e.args).compile()
+    calls = [ln for ln in compiled.as_text().splitlines() if "tpu_custom_call" in ln and "flash" in ln]
+    assert calls, "no flash-attention kernel in the compiled step"
+    rows = {int(m.group(1)) for ln in calls for m in [re.search(r"= \(?[a-z0-9]+\[(\d+),", ln)] if m}
+    assert rows == {2}, rows  # per chip: 2 rows; 16 would mean the kernel was gathered to every chip
+    (xla,) = preflight_plan_compile(_plan("v5e:2x2", 2, grad_accum=2, only="train", attention="xla"))
+    assert compiled.memory_analysis().temp_size_in_bytes < xla.temp_bytes  # no [B, N, T, T] scores in HBM
+    assert xla.loops_undercounted  # grad_accum 2: XLA counts one of the two micro-batches
+    cost_plan = _plan("v5e:2x2", 2, grad_accum=2, only="train", cost_model=True)
+    assert cost_plan.grad_accum == 1 and cost_plan.rows == 8  # one micro-batch: 2 rows x 4 chips
+    (cost,) = preflight_plan_compile(cost_plan)
+    assert cost.uncounted_seconds > 0  # the kernel's backward, which XLA does not cost
+    assert not cost.loops_undercounted and cost.xla_flops >= cost.model_flops, (cost.xla_flops, cost.model_flops)

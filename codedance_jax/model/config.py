@@ -99,6 +99,9 @@ class ModelConfig:
     param_dtype: str = "float32"
     # Rematerialization of decoder/vision blocks: "none" | "full" | "dots" (save matmul outputs).
     remat: str = "none"
+    # Attention of the cache-free forward (training, log-probs): "xla" (runs anywhere), "flash" (the
+    # Pallas TPU kernel, `model.flash`), "auto" (flash when the run's platform is TPU).
+    attention: str = "xla"
 
     def replace(self, **kw) -> ModelConfig:
         return dataclasses.replace(self, **kw)

@@ -90,7 +90,8 @@ class Qwen25VL(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         wd, t = cfg.weight_dtype, cfg.text
-        self.visual = vision.VisionTower(cfg.vision, dtype=wd, remat=cfg.remat, rngs=rngs)
+        self.visual = vision.VisionTower(cfg.vision, dtype=wd, remat=cfg.remat, flash_attention=cfg.attention == "flash",
+                                          rngs=rngs)
         self.embed = param(rngs, (t.vocab_size, t.hidden_size), ("vocab", "embed"), wd)
         self.layers = nnx.List([text.DecoderLayer(t, dtype=wd, rngs=rngs) for _ in range(t.num_hidden_layers)])
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps, "embed", dtype=wd)
@@ -158,7 +159,9 @@ class Qwen25VL(nnx.Module):
         (`batching.collate_packed`); a token attends to the earlier tokens of its own segment only."""
         feats = None if vis is None else self.encode_images(vis)
         x = self.embed_tokens(input_ids, feats)
-        mask = text.causal_mask(attention_mask) if segment_ids is None else text.segment_mask(segment_ids - 1)
+        fa = self.cfg.attention == "flash"
+        mask = (text.causal_segments(attention_mask, fa) if segment_ids is None
+                else text.packed_segments(segment_ids - 1, fa))
         h, _ = self._decoder(x, positions, mask)
         return h if return_hidden else self.logits(h)
 
@@ -182,7 +185,7 @@ class Qwen25VL(nnx.Module):
         xp = x.reshape(b * t, -1)[take]
         pos = positions.reshape(3, b * t)[:, take]
         seg = jnp.where(src >= 0, take // t, -1)
-        h, _ = self._decoder(xp, pos, text.segment_mask(seg))
+        h, _ = self._decoder(xp, pos, text.packed_segments(seg, self.cfg.attention == "flash"))
         return h, src
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from codedance_jax import sharding as shd
-from codedance_jax.model import rope
+from codedance_jax.model import flash, rope
 from codedance_jax.model.config import TextConfig
 from codedance_jax.model.layers import RMSNorm, SwiGLU, masked_softmax, matmul, param
 
@@ -52,7 +52,9 @@ class Attention(nnx.Module):
             ck, cv = kv_cache
             k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, index, 0))
             v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, index, 0))
-        if kv_cache is None or fresh:  # the chunk's own keys, as stored (a bf16 cache rounds them)
+        if isinstance(mask_bts, flash.Segments):  # the cache-free forward with the TPU kernel
+            o = flash.attend(q.transpose(0, 2, 1, 3), k, v, mask_bts, self.scale).transpose(0, 2, 1, 3)
+        elif kv_cache is None or fresh:  # the chunk's own keys, as stored (a bf16 cache rounds them)
             ka, va = (kc, vc) if kv_cache is None else (kc.astype(k.dtype), vc.astype(v.dtype))
             o = self._attend_heads_major(q, ka.astype(dt), va.astype(dt), mask_bts, causal=True)
         else:
@@ -132,6 +134,22 @@ def cache_mask(valid_bs, index, chunk_len):
     slot = jnp.arange(s)[None, :]
     qslot = index + jnp.arange(chunk_len)[:, None]
     return valid_bs[:, None, :] & (slot <= qslot)[None]
+
+
+def causal_segments(attention_mask_bt, flash_attention: bool):
+    """The cache-free forward's mask: dense `causal_mask`, or its segment ids for the TPU kernel."""
+    if flash_attention and flash.usable(attention_mask_bt.shape[1]):
+        ids = attention_mask_bt.astype(jnp.int32)
+        return flash.Segments(ids, ids, causal=True)
+    return causal_mask(attention_mask_bt)
+
+
+def packed_segments(segment_bt, flash_attention: bool):
+    """`segment_mask`, or its segment ids for the TPU kernel (-1 on padding)."""
+    if flash_attention and flash.usable(segment_bt.shape[1]):
+        ids = segment_bt.astype(jnp.int32)
+        return flash.Segments(ids, ids, causal=True)
+    return segment_mask(segment_bt)
 
 
 def segment_mask(segment_bt):

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from codedance_jax import sharding as shd
-from codedance_jax.model import rope
+from codedance_jax.model import flash, rope
 from codedance_jax.model.config import VisionConfig
 from codedance_jax.model.layers import Dense, RMSNorm, SwiGLU, masked_softmax, matmul, param, remat_policy
 
@@ -104,12 +104,14 @@ def make_plan(grid_thw, cfg: VisionConfig, *, num_windows: int | None = None, nu
 
 
 def attention(q, k, v, mask, scale):
-    """q, k, v: [G, S, N, H]; mask bool[G, S, S]. Softmax in float32.
+    """q, k, v: [G, S, N, H]; mask bool[G, S, S] (or `flash.Segments`: the TPU kernel). Softmax in float32.
 
     Heads are made a leading dim first ([G, N, S, H]): with (g, n) batch dims around s, XLA CPU
     copied the [G, N, S, S] logits and probabilities into transposed layouts (16 windows x 256 x 4
     heads: forward 1.9x, forward+backward 1.3x slower; issue 14, as `text.Attention`)."""
     qh, kh, vh = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    if isinstance(mask, flash.Segments):
+        return flash.attend(qh, kh, vh, mask, scale).transpose(0, 2, 1, 3)
     logits = jnp.einsum("gnsh,gnth->gnst", qh, kh).astype(jnp.float32) * scale
     probs = masked_softmax(logits, mask[:, None]).astype(v.dtype)  # a padding row stays finite
     return jnp.einsum("gnst,gnth->gnsh", probs, vh).transpose(0, 2, 1, 3)
@@ -161,8 +163,9 @@ class PatchMerger(nnx.Module):
 
 
 class VisionTower(nnx.Module):
-    def __init__(self, cfg: VisionConfig, *, dtype, remat: str = "none", rngs: nnx.Rngs):
+    def __init__(self, cfg: VisionConfig, *, dtype, remat: str = "none", flash_attention: bool = False, rngs: nnx.Rngs):
         self.cfg = cfg
+        self.flash_attention = flash_attention  # full-attention blocks through the TPU kernel (model.flash)
         self.patch_embed = param(rngs, (cfg.patch_dim, cfg.hidden_size), ("patch", "vision_embed"), dtype)
         self.blocks = nnx.List([VisionBlock(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg, dtype=dtype, rngs=rngs)
@@ -197,7 +200,11 @@ class VisionTower(nnx.Module):
         win_valid = valid_p.reshape(g * w, u * q)
         win_mask = win_valid[:, None, :] & win_valid[:, :, None]
         # Full layers: one segment per image over the group's patches.
-        full_mask = (img_p[:, :, None] == img_p[:, None, :]) & valid_p[:, None, :]
+        if self.flash_attention and flash.usable(s):  # the kernel's segment ids, no [G, S, S] mask
+            ids = jnp.where(valid_p, img_p, -1).astype(jnp.int32)
+            full_mask = flash.Segments(ids, ids)
+        else:
+            full_mask = (img_p[:, :, None] == img_p[:, None, :]) & valid_p[:, None, :]
 
         def block_fn(blk, x, full):
             if full:

@@ -23,6 +23,7 @@ import jax
 
 from codedance_jax import sharding as shd
 from codedance_jax.errors import ConfigError
+from codedance_jax.model import flash
 from codedance_jax.model.config import ModelConfig
 from codedance_jax.train import checkpointing
 from codedance_jax.train import state as st
@@ -59,7 +60,8 @@ def model_config(config, processor_dir: str | None = None) -> ModelConfig:
     else:
         raise ConfigError(f"config.model={config.model!r}: choose one of {sorted(PRESETS)} or 'toy', "
                           "or set config.init_from to a checkpoint.")
-    return cfg.replace(dtype=config.dtype, param_dtype=config.param_dtype, remat=config.remat)
+    return cfg.replace(dtype=config.dtype, param_dtype=config.param_dtype, remat=config.remat,
+                       attention=flash.resolve(config.get("attention", "auto")))
 
 
 def initial_params(config, mesh, rules):
