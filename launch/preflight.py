@@ -76,7 +76,7 @@ def main(argv):
     try:
         if _DEPTH.value:
             cfg, _ = runs.model_config(config)
-            plan, reports = runs.compile_extrapolated(make_plan, cfg.text.num_hidden_layers, cfg.vision.depth)
+            plan, reports = runs.compile_extrapolated(make_plan, cfg.text.num_hidden_layers, cfg.vision.depth, cfg=cfg)
         else:
             plan = make_plan()
             reports = runs.compile_plan(plan)
