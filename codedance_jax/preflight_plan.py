@@ -216,10 +216,10 @@ def flash_backward_flops(cfg: ModelConfig, rows: int, tokens: int, windows: int)
         return 0.0
     t, v = cfg.text, cfg.vision
     total = 0.0
-    if flash.usable(tokens):
+    if flash.tiles_fit(tokens):
         total += t.num_hidden_layers * rows * 5.0 * tokens**2 * t.hidden_size
     s = windows * v.window_merged**2 * v.merge_unit  # a row's patch slots in the vision tower
-    if flash.usable(s):
+    if flash.tiles_fit(s):
         total += len([i for i in v.fullatt_block_indexes if i < v.depth]) * rows * 10.0 * s**2 * v.hidden_size
     return total
 

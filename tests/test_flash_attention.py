@@ -12,9 +12,15 @@ import pytest
 from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 
+from codedance_jax import sharding as shd
 from codedance_jax.model import flash, text
 from codedance_jax.model.config import ModelConfig, TextConfig, VisionConfig
 from codedance_jax.model.qwen25vl import Qwen25VL
+
+
+def _kernel_context():
+    """The kernel serves calls traced under compute_sharding (the train steps'), here on one device."""
+    return shd.compute_sharding(shd.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
 
 
 def test_resolve_and_bad_names():
@@ -41,14 +47,18 @@ def test_text_attention_kernel_equals_dense_masks_in_values_and_gradients(packed
     if packed:
         seg = np.full((b, t), -1, np.int32)
         seg[0, :50], seg[0, 50:110], seg[1, :128] = 0, 1, 2
-        dense, kern = text.segment_mask(jnp.asarray(seg)), text.packed_segments(jnp.asarray(seg), True)
+        make = lambda fa: text.packed_segments(jnp.asarray(seg), fa)  # noqa: E731
         real = seg >= 0
     else:
         mask = np.ones((b, t), np.int32)
         mask[1, :37] = 0  # left padding
-        dense, kern = text.causal_mask(jnp.asarray(mask)), text.causal_segments(jnp.asarray(mask), True)
+        make = lambda fa: text.causal_segments(jnp.asarray(mask), fa)  # noqa: E731
         real = mask.astype(bool)
-    assert isinstance(kern, flash.Segments)
+    assert not isinstance(make(True), flash.Segments)  # no compute_sharding: XLA (a Mosaic call cannot be partitioned)
+    with _kernel_context():
+        kern = make(True)
+    dense = make(False)
+    assert isinstance(kern, flash.Segments) and not isinstance(dense, flash.Segments)
     ct = jnp.asarray(rng.normal(size=(b, t, 64)), jnp.float32) * jnp.asarray(real)[..., None]
 
     @nnx.jit  # jitted: the kernel's interpreter, dispatched op by op, hung once in a full suite run
@@ -60,7 +70,7 @@ def test_text_attention_kernel_equals_dense_masks_in_values_and_gradients(packed
         (_, out), g = nnx.value_and_grad(loss, has_aux=True)(a)
         return out, g
 
-    with pltpu.force_tpu_interpret_mode():
+    with pltpu.force_tpu_interpret_mode(), _kernel_context():
         out_k, g_k = run(attn, kern)
     out_d, g_d = run(attn, dense)
     np.testing.assert_allclose(np.asarray(out_k)[real], np.asarray(out_d)[real], rtol=2e-4, atol=2e-5)
@@ -91,7 +101,7 @@ def test_model_forward_and_vision_tower_with_the_kernel_equal_xla():
         model = Qwen25VL(base.replace(attention=impl), rngs=nnx.Rngs(3))
         p = model.prepare(ids[:1], mask[:1], pv, np.asarray(grids))
         p2 = model.prepare(ids[1:], mask[1:])
-        with pltpu.force_tpu_interpret_mode():
+        with pltpu.force_tpu_interpret_mode(), _kernel_context():
             outs[impl] = (np.asarray(forward(model, p["input_ids"], p["positions"], p["attention_mask"], p["vis"])),
                           np.asarray(forward(model, p2["input_ids"], p2["positions"], p2["attention_mask"], None)))
     for a, r, m in zip(outs["flash"], outs["xla"], (mask[:1], mask[1:]), strict=True):

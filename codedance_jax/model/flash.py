@@ -18,9 +18,11 @@ losses mask them.
 target platform is TPU; `resolve`). Cache steps (prefill into a cache, decode, appends) and the
 vision tower's small window blocks keep the XLA path.
 
-On a mesh (`sharding.compute_sharding`), a Pallas call cannot be partitioned by XLA: left alone,
-GSPMD would gather its operands to every chip. So the call runs under `shard_map`, batch over the
-batch mesh axes and heads over `tensor` where they divide, each chip on its own rows and heads.
+A Pallas call cannot be partitioned by XLA (jit refuses: "Mosaic kernels cannot be automatically
+partitioned"). So the kernel is used only under `sharding.compute_sharding` (the training and
+log-prob steps enter it, on any mesh, one device included), where it runs under `shard_map`: batch
+over the batch mesh axes and heads over `tensor` where they divide, each chip on its own rows and
+heads.
 """
 
 from __future__ import annotations
@@ -64,8 +66,17 @@ class Segments:
     causal: bool = dataclasses.field(metadata=dict(static=True), default=False)
 
 
-def usable(length: int) -> bool:
+def tiles_fit(length: int) -> bool:
+    """The kernel's tiles (128 to 512 rows) divide a sequence of this length."""
     return length >= MIN_LEN and length % MIN_LEN == 0
+
+
+def usable(length: int) -> bool:
+    """The kernel serves this call: tiles divide the length, and the call is traced under
+    `sharding.compute_sharding` (the training and log-prob steps), which names the mesh its
+    `shard_map` needs. Elsewhere (the rollout engine's vision calls on a row-split mesh, eval,
+    serving) a Mosaic call cannot be partitioned by XLA, so those keep the XLA path."""
+    return tiles_fit(length) and shd.compute_sharding_active()
 
 
 def _block(n: int) -> int:
@@ -93,10 +104,7 @@ def attend(q_bnth, k_bksh, v_bksh, seg: Segments, scale: float):
     k_bksh, v_bksh = k_bksh.astype(q_bnth.dtype), v_bksh.astype(q_bnth.dtype)
     sq, skv = seg.q.astype(jnp.int32), seg.kv.astype(jnp.int32)
     call = lambda q, k, v, a, c: _kernel_call(q, k, v, a, c, causal=seg.causal, scale=scale)  # noqa: E731
-    spec = shd.kernel_specs(b, n)
-    if spec is None:  # no mesh (one device, eager code)
-        return call(q_bnth, k_bksh, v_bksh, sq, skv)
-    mesh, batch_axes, head_axis = spec
+    mesh, batch_axes, head_axis = shd.kernel_specs(b, n)  # `usable` checked that there is a context
     x = P(batch_axes, head_axis, None, None)
     s = P(batch_axes, None)
     return jax.shard_map(call, mesh=mesh, in_specs=(x, x, x, s, s), out_specs=x, check_vma=False)(
