@@ -207,6 +207,11 @@ def plan_from_config(config, topology: str, *, empty_batch, rows_per_chip: int =
                 train_entries + entries, rollout)
 
 
+def _full_blocks(v) -> int:
+    """The vision tower's full-attention blocks."""
+    return len([i for i in v.fullatt_block_indexes if i < v.depth])
+
+
 def flash_backward_flops(cfg: ModelConfig, rows: int, tokens: int, windows: int) -> float:
     """Flops of the flash kernel's backward (dq and dk/dv kernels) in one training step, which XLA's
     cost model does not count: the Pallas backward calls carry no cost estimate, and XLA costs
@@ -218,9 +223,9 @@ def flash_backward_flops(cfg: ModelConfig, rows: int, tokens: int, windows: int)
     total = 0.0
     if flash.tiles_fit(tokens):
         total += t.num_hidden_layers * rows * 5.0 * tokens**2 * t.hidden_size
-    s = windows * v.window_merged**2 * v.merge_unit  # a row's patch slots in the vision tower
+    s = windows * v.window_patches  # a row's patch slots in the vision tower
     if flash.tiles_fit(s):
-        total += len([i for i in v.fullatt_block_indexes if i < v.depth]) * rows * 10.0 * s**2 * v.hidden_size
+        total += _full_blocks(v) * rows * 10.0 * s**2 * v.hidden_size
     return total
 
 
@@ -256,8 +261,8 @@ def compile_extrapolated(make_plan, text_layers: int, vision_depth: int, log=pri
         out.append(pf.extrapolate(base, text1, vis1, text_layers - 1, vision_depth - 1))
     if cfg is not None:
         v = cfg.vision
-        missing = len([i for i in v.fullatt_block_indexes if i < v.depth]) - 1
-        s = plan.bucket[2] * v.window_merged**2 * v.merge_unit  # a row's patch slots
+        missing = _full_blocks(v) - 1
+        s = plan.bucket[2] * v.window_patches  # a row's patch slots
         per_row = missing * (2 * 4.0 + 10.0) * s**2 * v.hidden_size  # 2 forwards (remat) + backward
         for r in out:
             if missing > 0 and r.name.endswith("train_step"):

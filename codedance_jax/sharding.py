@@ -259,6 +259,11 @@ def gather_param(var, dtype):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+def _axes_size(mesh, entry) -> int:
+    """Devices along one PartitionSpec entry (a mesh axis name or a tuple of them)."""
+    return int(np.prod([mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry)]))
+
+
 def constrain_batch(x, batch_dim: int = 0):
     """Under `compute_sharding`: keep the batch dimension of an activation on the batch mesh axes."""
     ctx = _COMPUTE.get()
@@ -266,10 +271,8 @@ def constrain_batch(x, batch_dim: int = 0):
         return x
     mesh, rules = ctx
     b = logical_to_spec(("batch",), rules, mesh)[0] if _batch_mesh_axes(mesh, rules) else None
-    if b is not None:
-        size = int(np.prod([mesh.shape[a] for a in ((b,) if isinstance(b, str) else b)]))
-        if x.shape[batch_dim] % size:
-            return x
+    if b is not None and x.shape[batch_dim] % _axes_size(mesh, b):
+        return x
     spec = [PartitionSpec.UNCONSTRAINED] * x.ndim
     spec[batch_dim] = b
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
@@ -285,9 +288,7 @@ def kernel_specs(batch: int, heads: int):
     mesh, rules = ctx
 
     def fit(s, n):
-        axes = () if s is None else ((s,) if isinstance(s, str) else tuple(s))
-        size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-        return s if axes and n % size == 0 else None
+        return s if s is not None and n % _axes_size(mesh, s) == 0 else None
 
     b = logical_to_spec(("batch",), rules, mesh)
     h = logical_to_spec(("q_heads",), rules, mesh)

@@ -136,20 +136,22 @@ def cache_mask(valid_bs, index, chunk_len):
     return valid_bs[:, None, :] & (slot <= qslot)[None]
 
 
-def causal_segments(attention_mask_bt, flash_attention: bool):
-    """The cache-free forward's mask: dense `causal_mask`, or its segment ids for the TPU kernel."""
-    if flash_attention and flash.usable(attention_mask_bt.shape[1]):
-        ids = attention_mask_bt.astype(jnp.int32)
+def _segments_or_dense(ids_bt, dense, flash_attention: bool):
+    """Segment ids for the TPU kernel (causal within equal ids) where it serves, else `dense(ids_bt)`."""
+    if flash_attention and flash.usable(ids_bt.shape[1]):
+        ids = ids_bt.astype(jnp.int32)
         return flash.Segments(ids, ids, causal=True)
-    return causal_mask(attention_mask_bt)
+    return dense(ids_bt)
+
+
+def causal_segments(attention_mask_bt, flash_attention: bool):
+    """The cache-free forward's mask: dense `causal_mask`, or its segment ids (padding keys 0, real 1)."""
+    return _segments_or_dense(attention_mask_bt, causal_mask, flash_attention)
 
 
 def packed_segments(segment_bt, flash_attention: bool):
     """`segment_mask`, or its segment ids for the TPU kernel (-1 on padding)."""
-    if flash_attention and flash.usable(segment_bt.shape[1]):
-        ids = segment_bt.astype(jnp.int32)
-        return flash.Segments(ids, ids, causal=True)
-    return segment_mask(segment_bt)
+    return _segments_or_dense(segment_bt, segment_mask, flash_attention)
 
 
 def segment_mask(segment_bt):
