@@ -9,7 +9,7 @@ Cases:
          expert trajectory through the sampler (forced tokens cost a decode step like sampled
          ones; their log-probs are the policy's): even group members replay the expert's turns
          (code cells run in the sandbox, observations with images are appended), odd members
-         answer at once. The stages are the loop's (`codedance_jax/runs/grpo_stages.py`): rollout (prefill,
+         answer at once. The stages are the loop's (`runs/grpo_stages.py`): rollout (prefill,
          vision, decode, appends, sandbox wait, host), scoring + advantages, batch, reference log-probs
          (0: no KL), update (its forward gives the old log-probs, checked against the sampler's). The
          first step compiles; the table shows the median of the later steps.
@@ -57,7 +57,7 @@ class GRPOStepper:
     """The loop's stages 2-7 on one process (the same library calls as `runs.grpo.train_step`)."""
 
     def __init__(self, gcfg, cfg, processor, *, seed=0):
-        from codedance_jax.runs.grpo import loss_config, rbat_config, rollout_config
+        from runs.grpo import loss_config, rbat_config, rollout_config
 
         self.gcfg, self.cfg, self.processor = gcfg, cfg, processor
         self.mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
@@ -132,7 +132,7 @@ def print_table(title, summ):
 
 # ----------------------------------------------------------------------------------- demo preset
 def demo_case(args):
-    from codedance_jax.demo import pipeline
+    from runs.demo import pipeline
     from configs import demo as demo_configs
     from data.toyworld import generate_world, toy_model_config
     from sandbox import SandboxPool

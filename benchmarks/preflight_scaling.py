@@ -30,11 +30,11 @@ _ONLY = flags.DEFINE_string("only", "", "GRPO: train | rollout (empty: both)")
 
 def main(argv):
     del argv
-    from codedance_jax import preflight as pf
+    from codedance_jax.preflight import topology as pf
 
     topos = _TOPOS.value.split(",")
     pf.offline_tpu_env(topos[0])
-    from codedance_jax import preflight_plan
+    from codedance_jax.preflight import plan as preflight_plan
     from codedance_jax.train.batching import collate
 
     rows = []

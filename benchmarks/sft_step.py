@@ -143,9 +143,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # ----------------------------------------------------------------------------------- demo preset
 def demo_case(args):
-    from codedance_jax.demo import pipeline
-    from codedance_jax.runs import setup
-    from codedance_jax.runs import sft as rsft
+    from runs.demo import pipeline
+    from runs import setup
+    from runs import sft as rsft
     from configs import demo as demo_configs
 
     c = demo_configs.get_config()

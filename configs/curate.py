@@ -1,4 +1,4 @@
-r"""SFT data curation configs (paper section 3.2, appendix 7.1-7.2; `codedance_jax/curate/`).
+r"""SFT data curation configs (paper section 3.2, appendix 7.1-7.2; `runs/curate/`).
 
   python -m launch.curate --config=configs/curate.py:toy --workdir=/tmp/curate_toy
   python -m launch.curate --config=configs/curate.py:endpoints --workdir=DIR \
@@ -12,7 +12,7 @@ Each role is `url` + `model` + `api_key_env` (the variable holding its key; unse
 (`serve_mode="process"`) or our engine in this process (`serve_mode="inprocess"`).
 `toy`: the toy world; the weak model is our served tiny policy (`serve="random_tiny"`: a random
 tiny checkpoint behind `python -m launch.serve`), teacher / judge / verifier the scripted stand-in
-(`url="scripted"`, `codedance_jax/curate/scripted.py`, with fault rates that exercise each filter).
+(`url="scripted"`, `runs/curate/scripted.py`, with fault rates that exercise each filter).
 """
 
 import ml_collections
@@ -38,7 +38,7 @@ def get_config(preset: str = "toy") -> ml_collections.ConfigDict:
                                                 medium_rate=0.125, trivial="direct"))  # direct | drop
     c.synthesize = ml_collections.ConfigDict(dict(max_tokens=4096, max_turns=6, max_images=4))
     # Grounding (crop) trajectories from the Table 6 box for items that need localisation, instead of the
-    # Table 9 revision (codedance_jax/curate/grounding.py). select: off | all | meta (meta[meta_key] in
+    # Table 9 revision (runs/curate/grounding.py). select: off | all | meta (meta[meta_key] in
     # meta_values: a task column of the source JSONL) | question (question_regex matches).
     c.synthesize.grounding = ml_collections.ConfigDict(dict(
         select="meta", meta_key="task", meta_values=("grounding", "crop"),

@@ -1,6 +1,6 @@
 """One trajectory record as HTML: prompt images, then each turn's reasoning, code, observation and images.
 
-The renderer both HTML reports use (`eval/report.py` for benchmark runs, `codedance_jax/demo/report.py`
+The renderer both HTML reports use (`eval/report.py` for benchmark runs, `runs/demo/report.py`
 for the demo). It reads the SPEC section 2 record's `images` (in order of appearance: the prompt's,
 then each turn's `n_images`) and `turns` (`status`, `code`, `observation`, `n_images`), plus the
 decoded text of each turn. Styles are `eval.report.CSS`'s classes (`turn`, `code`, `obs`, `status-*`).

@@ -38,7 +38,7 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     compile_cache.enable()  # re-runs and ablations reuse compiled steps (CODEDANCE_COMPILATION_CACHE=off disables)
-    from codedance_jax.demo.pipeline import ablate
+    from runs.demo.pipeline import ablate
 
     f = flags.FLAGS
     ablate(f.config, f.workdir, tuple(f.modes), seeds=tuple(int(x) for x in f.seeds), presets=tuple(f.presets))

@@ -14,7 +14,7 @@ flags.DEFINE_string("question", "How many shapes are in this image?", "The quest
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every read at INFO
-    from codedance_jax import quickstart
+    from runs import quickstart
 
     quickstart.run(flags.FLAGS.workdir, flags.FLAGS.question)
 

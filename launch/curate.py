@@ -18,7 +18,7 @@ flags.DEFINE_string("workdir", None, "Stage files, cache, sft.jsonl, tfds/, repo
 
 def main(argv):
     del argv
-    from codedance_jax.curate.pipeline import run
+    from runs.curate.pipeline import run
 
     run(flags.FLAGS.config, flags.FLAGS.workdir)
 

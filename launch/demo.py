@@ -22,7 +22,7 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax and TFDS log every file at INFO
     compile_cache.enable()  # re-runs and ablations reuse compiled steps (CODEDANCE_COMPILATION_CACHE=off disables)
-    from codedance_jax.demo.pipeline import run
+    from runs.demo.pipeline import run
 
     run(flags.FLAGS.config, flags.FLAGS.workdir)
 

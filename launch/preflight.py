@@ -11,7 +11,7 @@ With attention "auto" (the configs' default) the steps use the Pallas flash kern
 
 A GRPO config also compiles the rollout engine's jitted functions (prefill at each prompt bucket,
 decode chunk, append at each observation bucket, vision) for ONE host of the slice (4 chips per
-host) at its share of the rollout batch (`codedance_jax/preflight_rollout.py`).
+host) at its share of the rollout batch (`codedance_jax/preflight/rollout.py`).
 
 Needs libtpu (`pip install -r requirements-tpu.txt`, best in a venv of its own). Nothing runs on a
 TPU and nothing reaches a network. Exit 0: everything fits; 2: something does not (its largest
@@ -50,7 +50,7 @@ def _fail(msg: str):
 
 def main(argv):
     del argv
-    from codedance_jax import preflight as pf
+    from codedance_jax.preflight import topology as pf
 
     config = _CONFIG.value
     if config is None:
@@ -64,22 +64,22 @@ def main(argv):
     if reason:
         _fail(reason)
 
-    from codedance_jax import preflight_plan as runs
+    from codedance_jax.preflight import plan as plans
     from codedance_jax.train.batching import collate  # the real batch contract, at zero rows
 
     def make_plan(depth=None):
-        return runs.plan_from_config(config, _TOPOLOGY.value, rows_per_chip=_ROWS.value, bucket=_BUCKET.value,
+        return plans.plan_from_config(config, _TOPOLOGY.value, rows_per_chip=_ROWS.value, bucket=_BUCKET.value,
                                      empty_batch=lambda bucket, vcfg: collate([], bucket, pad_id=0, vision_cfg=vcfg),
                                      depth=depth, only=_ONLY.value, rollout_chips=_ROLLOUT_CHIPS.value,
                                      cost_model=_COST.value)
 
     try:
         if _DEPTH.value:
-            cfg, _ = runs.model_config(config)
-            plan, reports = runs.compile_extrapolated(make_plan, cfg.text.num_hidden_layers, cfg.vision.depth, cfg=cfg)
+            cfg, _ = plans.model_config(config)
+            plan, reports = plans.compile_extrapolated(make_plan, cfg.text.num_hidden_layers, cfg.vision.depth, cfg=cfg)
         else:
             plan = make_plan()
-            reports = runs.compile_plan(plan)
+            reports = plans.compile_plan(plan)
     except ValueError as e:
         _fail(str(e))
     print(plan.describe())

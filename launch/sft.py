@@ -21,7 +21,7 @@ def main(argv):
     del argv
     distributed.initialize()
     compile_cache.enable()  # re-runs reuse compiled steps (CODEDANCE_COMPILATION_CACHE=off disables)
-    from codedance_jax.runs.sft import train_and_evaluate
+    from runs.sft import train_and_evaluate
 
     train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
 

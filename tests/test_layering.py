@@ -3,8 +3,8 @@
 Imports are read with `ast` from every module (including imports inside functions and under
 `if TYPE_CHECKING`), resolved to project modules, and checked for three things:
 
-1. no upward import: a module imports only from its own layer or below (`LAYERS`, longest
-   prefix wins, so `data.toyworld` is an application although `data` is a data pipeline);
+1. no upward import: a module imports only from its own layer or below (`LAYERS`: one layer per
+   top-level folder, no exceptions for subfolders);
 2. no cycle between packages (a package = a subpackage such as `codedance_jax.rollout`, or a
    module directly under a top-level folder such as `codedance_jax.sharding` or `data.chat`);
 3. no `_private` name (or `_private` module) imported from another package.
@@ -22,33 +22,29 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("sandbox", "codedance_jax", "data", "eval", "configs", "launch", "benchmarks")
-
-# Bottom to top. A module may import from its layer or any layer below it.
+# One row per top-level folder, bottom to top: a module may import from its own folder or any folder
+# below it. No row names a subfolder: the folders are the layers.
 LAYERS: dict[str, int] = {
     "sandbox": 0,  # standalone: the code sandbox (no JAX)
-    "codedance_jax": 1,  # library core: model, processing, checkpoint, sharding, protocol, rl, rollout, train
-    "data": 2,  # data pipelines: trajectory format, chat rendering, TFDS, grain, RL prompt datasets
+    "codedance_jax": 1,  # library core: model, processing, checkpoint, sharding, protocol, rl, rollout, train, serve, preflight
+    "data": 2,  # data: trajectory format, chat rendering, TFDS, grain, RL prompts, the toy world
     "eval": 3,  # evaluation: benchmarks, scoring, the evaluation loop, reports
-    "codedance_jax.runs": 4,  # applications: the SFT / GRPO run loops,
-    "codedance_jax.demo": 4,  # the demo,
-    "codedance_jax.quickstart": 4,  # the quickstart (launch.ask),
-    "codedance_jax.curate": 4,  # the SFT data curation pipeline (launch.curate),
-    "data.toyworld": 4,  # and the toy world
+    "runs": 4,  # applications: the SFT / GRPO run loops, the demo, curation, the quickstart
     "configs": 5,
     "launch": 6,
     "benchmarks": 7,  # speed scripts may use anything
 }
+PACKAGES = tuple(LAYERS)
 LAYER_NAMES = {0: "sandbox", 1: "library core", 2: "data", 3: "eval", 4: "applications", 5: "configs",
                6: "launch", 7: "benchmarks"}
 NO_JAX = {"sandbox": ("jax", "jaxlib", "flax", "optax", "orbax")}
 
 
 def layer_of(module: str) -> int:
-    best = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len, default=None)
-    if best is None:
-        raise KeyError(f"{module}: no layer in tests/test_layering.py LAYERS; add its package to the table")
-    return LAYERS[best]
+    top = module.split(".")[0]
+    if top not in LAYERS:
+        raise KeyError(f"{module}: no layer in tests/test_layering.py LAYERS; add its top-level folder to the table")
+    return LAYERS[top]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +185,29 @@ def test_every_module_has_a_layer():
         layer_of(name)  # raises, naming the module
 
 
+def test_the_layers_are_the_top_level_folders():
+    """One row per top-level folder holding Python, and no row for a subfolder (no exemptions)."""
+    assert all("." not in name for name in LAYERS), LAYERS
+    folders = {p.parent.relative_to(ROOT).parts[0] for p in ROOT.glob("*/**/*.py")}
+    folders -= {"tests", ".venv", ".venv-tpu", "workdirs", "tmp"}
+    folders = {f for f in folders if not f.startswith(".")}
+    assert folders == set(LAYERS), f"top-level folders {sorted(folders)} vs LAYERS {sorted(LAYERS)}"
+
+
+def test_no_edge_runs_up_between_top_level_folders():
+    """The folder-level graph: every edge goes to the same or a lower layer, so there is no cycle."""
+    sources = project_sources()
+    known = set(sources)
+    edges = set()
+    for src, (text, is_pkg) in sources.items():
+        for imp in read_imports(src, is_pkg, text, known):
+            if imp.target and imp.target.split(".")[0] != src.split(".")[0]:
+                edges.add((src.split(".")[0], imp.target.split(".")[0]))
+    up = sorted((a, b) for a, b in edges if LAYERS[b] > LAYERS[a])
+    assert not up, up
+    assert find_cycle({a: {b for x, b in edges if x == a} for a, _ in edges}) is None
+
+
 def test_library_never_imports_configs_launch_or_toyworld():
     sources = project_sources()
     known = set(sources)
@@ -201,7 +220,7 @@ def test_library_never_imports_configs_launch_or_toyworld():
 
 # ---------------------------------------------------------------- the checker fails on bad trees
 def _tree(**mods: str) -> dict[str, tuple[str, bool]]:
-    base = {"codedance_jax": ("", True), "codedance_jax.rollout": ("", True), "data": ("", True),
+    base = {"codedance_jax": ("", True), "codedance_jax.rollout": ("", True), "data": ("", True), "runs": ("", True),
             "data.toyworld": ("", True), "eval": ("", True), "sandbox": ("", True)}
     out = dict(base)
     for name, text in mods.items():
@@ -220,23 +239,23 @@ def test_checker_accepts_a_clean_tree():
     ("codedance_jax.rollout.engine", "from data.observation import get_turn_format"),
     ("codedance_jax.rollout.turns", "def f():\n    from data import observation\n"),  # inside a function
     ("codedance_jax.train.grpo_loop", "import data.toyworld"),
-    ("codedance_jax.demo.pipeline", "from configs import sft"),  # an application reading run configs
-    ("eval.report", "from codedance_jax.demo import report"),
+    ("runs.demo.pipeline", "from configs import sft"),  # an application reading run configs
+    ("eval.report", "from runs.demo import report"),
     ("codedance_jax.train.sft_loop", "def f():\n    from data import sft_pipeline, sft_tfds\n"),
 ])
 def test_checker_rejects_an_upward_import(bad):
     src, text = bad
     tree = _tree(data__observation="x = 1", data__toyworld__world="x = 1", configs__sft="x = 1",
-                 codedance_jax__demo__report="x = 1", data__sft_pipeline="x = 1", data__sft_tfds="x = 1")
-    tree.update({"configs": ("", True), "codedance_jax.demo": ("", True), "codedance_jax.train": ("", True)})
+                 runs__demo__report="x = 1", data__sft_pipeline="x = 1", data__sft_tfds="x = 1")
+    tree.update({"configs": ("", True), "runs.demo": ("", True), "codedance_jax.train": ("", True)})
     tree[src] = (text, False)
     problems = check(tree)
     assert any("a higher layer" in p and p.startswith(src) for p in problems), problems
 
 
 def test_checker_rejects_a_private_import_across_packages():
-    tree = _tree(eval__report="def _img(): pass", codedance_jax__demo__report="from eval.report import _img")
-    tree["codedance_jax.demo"] = ("", True)
+    tree = _tree(eval__report="def _img(): pass", runs__demo__report="from eval.report import _img")
+    tree["runs.demo"] = ("", True)
     problems = check(tree)
     assert any("private eval.report._img" in p for p in problems), problems
     # within one package a private helper is fine

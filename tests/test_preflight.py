@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from codedance_jax import preflight as pf
+from codedance_jax.preflight import topology as pf
 
 LIBTPU = pf.libtpu_available()
 needs_libtpu = pytest.mark.skipif(LIBTPU is not None, reason=str(LIBTPU))
@@ -51,7 +51,7 @@ def test_largest_buffers_reads_optimized_hlo_lines():
 def _plan(topology, rows_per_chip=1, preset="tiny", config_file="configs/sft.py", only="", cost_model=False, **overrides):
     import importlib.util
 
-    from codedance_jax import preflight_plan
+    from codedance_jax.preflight import plan as preflight_plan
     from codedance_jax.train.batching import collate
 
     spec = importlib.util.spec_from_file_location("cfg_" + os.path.basename(config_file)[:-3],
@@ -71,7 +71,7 @@ def _plan(topology, rows_per_chip=1, preset="tiny", config_file="configs/sft.py"
 
 
 def preflight_plan_compile(plan):
-    from codedance_jax import preflight_plan
+    from codedance_jax.preflight import plan as preflight_plan
 
     return preflight_plan.compile_plan(plan)
 

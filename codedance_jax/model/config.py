@@ -131,6 +131,38 @@ class ModelConfig:
         )
 
     @classmethod
+    def toy(cls, vocab_size: int, token_ids: dict[str, int]) -> ModelConfig:
+        """The ~1.2M-parameter model of the demo's toy world (vision 2 x 64, decoder 4 x 128).
+
+        `vocab_size`: the tokenizer's size with its added tokens (the embedding rounds it up to a
+        multiple of 64). `token_ids`: the ids of Qwen's special tokens in that tokenizer
+        (`<|image_pad|>`, `<|video_pad|>`, `<|vision_start|>`, `<|vision_end|>`, `<|endoftext|>`
+        (bos) and `<|im_end|>` (eos), as Qwen's); `data.toyworld.toy_model_config` reads both from a
+        processor directory.
+        """
+        need = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|endoftext|>", "<|im_end|>")
+        missing = [t for t in need if token_ids.get(t) is None]
+        if missing:
+            raise ValueError(f"the toy preset needs the ids of {missing}")
+        return cls(
+            vision=VisionConfig(
+                depth=2, hidden_size=64, intermediate_size=128, num_heads=4, window_size=56,
+                out_hidden_size=128, fullatt_block_indexes=(1,),
+            ),
+            text=TextConfig(
+                vocab_size=-(-vocab_size // 64) * 64, hidden_size=128, intermediate_size=384,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, mrope_section=(4, 6, 6),
+                max_position_embeddings=4096,
+            ),
+            image_token_id=token_ids["<|image_pad|>"],
+            video_token_id=token_ids["<|video_pad|>"],
+            vision_start_token_id=token_ids["<|vision_start|>"],
+            vision_end_token_id=token_ids["<|vision_end|>"],
+            bos_token_id=token_ids["<|endoftext|>"],
+            eos_token_id=token_ids["<|im_end|>"],
+        )
+
+    @classmethod
     def qwen25vl_3b(cls) -> ModelConfig:
         return cls(
             vision=VisionConfig(out_hidden_size=2048),

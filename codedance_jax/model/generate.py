@@ -26,7 +26,7 @@ from codedance_jax.model.qwen25vl import KVCache, Qwen25VL, VisionInputs, check_
 # Tree mode (graph=False): graph-mode `nnx.jit` returns every model Variable as a jit output, so each
 # call copied all parameters (~700 MB for the benchmark model, ~0.4 s on CPU) even though nothing
 # changed. Inference never mutates the model, so tree mode loses nothing here.
-# Public: the pod preflight lowers these same jitted functions (`codedance_jax.preflight_rollout`).
+# Public: the pod preflight lowers these same jitted functions (`codedance_jax.preflight.rollout`).
 @functools.partial(nnx.jit, graph=False)
 def encode_jit(model: Qwen25VL, vis: VisionInputs):
     return model.encode_images(vis)

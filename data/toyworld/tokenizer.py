@@ -27,7 +27,7 @@ from collections.abc import Iterable
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from codedance_jax.model.config import ModelConfig, TextConfig, VisionConfig
+from codedance_jax.model.config import ModelConfig
 from codedance_jax.processing.reference_files import (
     QWEN25VL_CHAT_TEMPLATE,
     QWEN25VL_PREPROCESSOR,
@@ -120,44 +120,10 @@ def write_toy_processor_files(
 
 
 def toy_model_config(processor_dir: str | os.PathLike) -> ModelConfig:
-    """The ~1.2M-parameter toy preset (vision 2 x 64, decoder 4 x 128) with the toy tokenizer's ids.
-
-    The embedding has len(tokenizer) rows rounded up to a multiple of 64; eos is `<|im_end|>` and
-    bos `<|endoftext|>`, as Qwen's.
-    """
+    """`ModelConfig.toy` sized by the toy tokenizer in `processor_dir` (its size and special-token ids)."""
     tok = Tokenizer.from_file(os.path.join(os.fspath(processor_dir), "tokenizer.json"))
-    n = tok.get_vocab_size(with_added_tokens=True)
-
-    def tid(s: str) -> int:
-        i = tok.token_to_id(s)
-        if i is None:
-            raise ValueError(f"{processor_dir}/tokenizer.json lacks {s!r}; write it with write_toy_processor_files")
-        return i
-
-    return ModelConfig(
-        vision=VisionConfig(
-            depth=2,
-            hidden_size=64,
-            intermediate_size=128,
-            num_heads=4,
-            window_size=56,
-            out_hidden_size=128,
-            fullatt_block_indexes=(1,),
-        ),
-        text=TextConfig(
-            vocab_size=-(-n // 64) * 64,
-            hidden_size=128,
-            intermediate_size=384,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            mrope_section=(4, 6, 6),
-            max_position_embeddings=4096,
-        ),
-        image_token_id=tid("<|image_pad|>"),
-        video_token_id=tid("<|video_pad|>"),
-        vision_start_token_id=tid("<|vision_start|>"),
-        vision_end_token_id=tid("<|vision_end|>"),
-        bos_token_id=tid("<|endoftext|>"),
-        eos_token_id=tid("<|im_end|>"),
-    )
+    ids = {c: tok.token_to_id(c) for c, _ in qwen_added_tokens()}
+    try:
+        return ModelConfig.toy(tok.get_vocab_size(with_added_tokens=True), ids)
+    except ValueError as e:
+        raise ValueError(f"{processor_dir}/tokenizer.json: {e}; write it with write_toy_processor_files") from None

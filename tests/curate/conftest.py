@@ -34,7 +34,7 @@ def make_config():
 @pytest.fixture
 def ctx(make_config, tmp_path, pool):
     """make(num_items, **faults) -> (a stage Context on the scripted server, the ingested toy items)."""
-    from codedance_jax.curate import pipeline, stages
+    from runs.curate import pipeline, stages
 
     def make(num_items=12, **faults):
         c = make_config(num_items=num_items, **faults)

@@ -5,9 +5,9 @@ import threading
 
 import pytest
 
-from codedance_jax.curate.endpoints import Endpoint, EndpointError, ask
-from codedance_jax.curate.pipeline import toy_items
-from codedance_jax.curate.scripted import ScriptedModel, ScriptedServer
+from runs.curate.endpoints import Endpoint, EndpointError, ask
+from runs.curate.pipeline import toy_items
+from runs.curate.scripted import ScriptedModel, ScriptedServer
 from data.toyworld.expert import png_bytes
 
 

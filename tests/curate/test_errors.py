@@ -18,7 +18,7 @@ def test_missing_source_is_a_user_error(tmp_path):
 def test_missing_url_is_a_user_error(tmp_path, make_config):
     import pytest
 
-    from codedance_jax.curate import pipeline
+    from runs.curate import pipeline
     from codedance_jax.errors import UserError
 
     c = make_config(num_items=2)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from codedance_jax.curate import filters
+from runs.curate import filters
 from configs.curate import get_config
 
 CFG = get_config("endpoints").filters

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from codedance_jax.curate import grounding, pipeline, stages
+from runs.curate import grounding, pipeline, stages
 from codedance_jax.errors import UserError
 from configs.curate import get_config
 from data.toyworld.tasks import PALETTE

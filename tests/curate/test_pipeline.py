@@ -3,8 +3,8 @@
 import json
 import os
 
-from codedance_jax.curate import pipeline, stages
-from codedance_jax.curate.stagefile import read_stage
+from runs.curate import pipeline, stages
+from runs.curate.stagefile import read_stage
 from data.trajectory import read_jsonl
 
 

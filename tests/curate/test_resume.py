@@ -9,8 +9,8 @@ import subprocess
 import sys
 import time
 
-from codedance_jax.curate import pipeline
-from codedance_jax.curate.scripted import Faults, ScriptedModel, ScriptedServer
+from runs.curate import pipeline
+from runs.curate.scripted import Faults, ScriptedModel, ScriptedServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N = 8

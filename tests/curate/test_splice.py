@@ -5,7 +5,7 @@ import io
 import numpy as np
 from PIL import Image
 
-from codedance_jax.curate import splice
+from runs.curate import splice
 
 
 def block(code):

@@ -2,7 +2,7 @@
 
 import string
 
-from codedance_jax.curate import templates
+from runs.curate import templates
 
 
 def fields(t):

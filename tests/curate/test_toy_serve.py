@@ -1,7 +1,7 @@
 """The toy preset as users run it: the weak model is our tiny policy behind a real `launch.serve`
 process (random weights), teacher / judge / verifier the scripted stand-in; the output is SFT data."""
 
-from codedance_jax.curate import pipeline
+from runs.curate import pipeline
 from configs.curate import get_config
 from data.trajectory import read_jsonl
 

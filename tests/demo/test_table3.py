@@ -1,4 +1,4 @@
-"""Table 3's rows and its mean ± std over seeds (codedance_jax/demo/table3.py)."""
+"""Table 3's rows and its mean ± std over seeds (runs/demo/table3.py)."""
 
 import math
 import random
@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from codedance_jax.demo import table3
+from runs.demo import table3
 
 
 def test_rows_split_the_rbat_modes_by_preset_only():

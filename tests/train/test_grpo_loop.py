@@ -77,7 +77,7 @@ def reference_run(tmp_path_factory):
     import jax
 
     assert jax.device_count() == 8
-    from codedance_jax.runs.grpo import train_and_evaluate
+    from runs.grpo import train_and_evaluate
 
     workdir = str(tmp_path_factory.mktemp("grpo_ref"))
     out = train_and_evaluate(_config(), workdir)

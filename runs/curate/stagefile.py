@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from codedance_jax.curate.endpoints import EndpointError, read_jsonl_tolerant, repair_jsonl
+from runs.curate.endpoints import EndpointError, read_jsonl_tolerant, repair_jsonl
 from codedance_jax.errors import UserError
 
 

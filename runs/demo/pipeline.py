@@ -27,7 +27,7 @@ import time
 
 import ml_collections
 
-from codedance_jax.demo import table3
+from runs.demo import table3
 
 
 def _log(msg: str):
@@ -148,9 +148,9 @@ def _read_jsonl(path: str) -> list[dict]:
 
 def run(c, workdir: str) -> dict:
     """Runs every phase (skipping finished ones) and returns the report's summary."""
-    from codedance_jax.demo.report import write_report
-    from codedance_jax.runs import grpo as grpo_run
-    from codedance_jax.runs import sft as sft_run
+    from runs.demo.report import write_report
+    from runs import grpo as grpo_run
+    from runs import sft as sft_run
 
     workdir = os.path.abspath(workdir)
     # Config errors before any work (nothing written yet): the reward and loss of the GRPO phase.
@@ -238,7 +238,7 @@ def grpo_drift(c, workdir: str, reference: str, run_dir: str) -> list[dict]:
 
 def prepare_sft(c, workdir: str) -> tuple[dict, str]:
     """World and SFT policy (reused when they exist), as the demo makes them."""
-    from codedance_jax.runs import sft as sft_run
+    from runs import sft as sft_run
 
     world = make_world(c, workdir)
     sft_dir = os.path.join(workdir, "sft")
@@ -259,7 +259,7 @@ def ablate(c, workdir: str, modes=tuple(table3.MODE_NAMES), *, seeds=(), presets
     Returns the evaluation summaries by name: `sft`, `sft_sampled`, then per run `{row}[/seed{s}]`
     and `{row}[/seed{s}]_sampled`; with seeds also `table` (per row label: mean, std, n per column)
     and `seconds` (wall time of each row's runs, training and evaluation)."""
-    from codedance_jax.runs import grpo as grpo_run
+    from runs import grpo as grpo_run
 
     workdir = os.path.abspath(workdir)
     c = ml_collections.ConfigDict(c.to_dict())

@@ -46,7 +46,7 @@ from collections.abc import Mapping, Sequence
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from codedance_jax.demo.checks import (
+from runs.demo.checks import (
     _check_html,
     _verdict,
     adaptive_checks,
@@ -54,8 +54,8 @@ from codedance_jax.demo.checks import (
     effect_checks,
     targets_table,
 )
-from codedance_jax.demo.numbers import _ci, _fmt_diff, _num, fmt_ci, fmt_metric
-from codedance_jax.demo.plots import plot_step_rates, series, step_rates, write_plots
+from runs.demo.numbers import _ci, _fmt_diff, _num, fmt_ci, fmt_metric
+from runs.demo.plots import plot_step_rates, series, step_rates, write_plots
 from eval import tool_analytics
 from eval.intervals import difference
 from eval.report import CSS as EVAL_CSS

@@ -14,7 +14,7 @@ import dataclasses
 import math
 import statistics
 
-from codedance_jax.demo.numbers import fmt_ci
+from runs.demo.numbers import fmt_ci
 
 MODE_NAMES = {  # paper Table 3 rows, in its order
     "outcome": "GRPO (R_acc + R_format)",

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from codedance_jax.demo.numbers import _ci, _num
+from runs.demo.numbers import _ci, _num
 from eval import tool_analytics
 from eval.intervals import rate_intervals
 

@@ -34,10 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from codedance_jax.curate import grounding, stages
-from codedance_jax.curate import report as report_lib
-from codedance_jax.curate.endpoints import Endpoint
-from codedance_jax.curate.stagefile import kept, read_stage, run_stage
+from runs.curate import grounding, stages
+from runs.curate import report as report_lib
+from runs.curate.endpoints import Endpoint
+from runs.curate.stagefile import kept, read_stage, run_stage
 from codedance_jax.errors import UserError
 
 ROLES = ("judge", "weak", "teacher", "verifier")
@@ -64,7 +64,7 @@ def ingest(config, workdir: str, log=print) -> list[dict[str, Any]]:
     s = config.source
     rows = []
     if s.kind == "toyworld":
-        from codedance_jax.curate.scripted import chance, wrong_answer
+        from runs.curate.scripted import chance, wrong_answer
         from data.toyworld.expert import png_bytes
 
         os.makedirs(os.path.join(workdir, "img"), exist_ok=True)
@@ -223,7 +223,7 @@ def endpoints(config, workdir: str, items: list[dict], log=print):
 
         def start_scripted() -> str:
             if not scripted:
-                from codedance_jax.curate.scripted import Faults, ScriptedModel, ScriptedServer
+                from runs.curate.scripted import Faults, ScriptedModel, ScriptedServer
 
                 scripted.append(ScriptedServer(ScriptedModel(toy_items(config.source), Faults(**config.scripted))))
                 stack.callback(scripted[0].close)

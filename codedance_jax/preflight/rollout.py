@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from codedance_jax import preflight as pf
+from codedance_jax.preflight import topology as pf
 from codedance_jax import sharding
 from codedance_jax.model import generate
 from codedance_jax.model.config import ModelConfig

@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 from collections.abc import Mapping
 
-from codedance_jax.demo.numbers import METRICS, _fmt_diff, _num, fmt_metric
+from runs.demo.numbers import METRICS, _fmt_diff, _num, fmt_metric
 
 
 def lookup(summary: Mapping, key: str):

@@ -21,7 +21,7 @@ import numpy as np
 
 from codedance_jax.errors import ConfigError
 from codedance_jax.model.config import ModelConfig
-from codedance_jax.runs import setup
+from runs import setup
 from codedance_jax.train import checkpointing, flops, optim, run_record, sft
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import numpy as np
 
 from codedance_jax.model.config import ModelConfig
 from codedance_jax.rl import scoring
-from codedance_jax.runs.grpo_stages import GRPOBatch, Rollouts, Scores, StepPrompts, Update
+from runs.grpo_stages import GRPOBatch, Rollouts, Scores, StepPrompts, Update
 from codedance_jax.train import flops
 
 
