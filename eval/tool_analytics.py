@@ -29,8 +29,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
-from codedance_jax.protocol import get_turn_format
-from codedance_jax.rollout.turns import extract_code
+from codedance_jax.protocol import extract_code, get_turn_format
 
 EXECUTED = ("ok", "error", "timeout", "crashed")  # as codedance_jax.rl.scoring counts executions
 PIL_IMAGE, PIL_DRAW, NUMPY = "PIL.Image", "PIL.ImageDraw", "numpy"

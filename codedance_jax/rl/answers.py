@@ -34,35 +34,9 @@ from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import Protocol
 
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-
-
-def extract_answer(text: str) -> str | None:
-    """The final `<answer>` content (stripped), the last `\\boxed{}` inside it if any; None if absent."""
-    found = _ANSWER_RE.findall(text)
-    if not found:
-        return None
-    ans = found[-1].strip()
-    boxed = extract_boxed(ans)
-    return boxed.strip() if boxed is not None else ans
-
-
-def extract_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (or `\\fbox{...}`), with nested braces balanced."""
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if start < 0:
-        return None
-    i = text.index("{", start) + 1
-    depth = 1
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i:j]
-    return None  # unbalanced: treat as no boxed answer
-
+# The answer is read by the turn protocol, so the engine records the answer this module scores;
+# both names stay importable from here.
+from codedance_jax.protocol import extract_answer, extract_boxed  # noqa: F401
 
 # --- numbers ---------------------------------------------------------------------------------
 
@@ -340,9 +314,22 @@ def accuracy_reward(
 
     max_answer_chars: the release scores answers of ≥ 1000 characters as wrong; None = no limit.
     """
-    ans = extract_answer(response)
-    if not ans:
+    return answer_reward(extract_answer(response), gold, question=question, choices=choices, verifier=verifier,
+                         max_answer_chars=max_answer_chars)
+
+
+def answer_reward(
+    answer: str | None,
+    gold: str,
+    *,
+    question: str = "",
+    choices: Mapping[str, str] | None = None,
+    verifier: Verifier = DEFAULT_VERIFIER,
+    max_answer_chars: int | None = None,
+) -> float:
+    """R_acc ∈ {0, 1} of an answer already extracted (`extract_answer`; the rollout engine records it)."""
+    if not answer:
         return 0.0
-    if max_answer_chars is not None and len(ans) >= max_answer_chars:
+    if max_answer_chars is not None and len(answer) >= max_answer_chars:
         return 0.0
-    return 1.0 if verifier(ans, gold, question=question, choices=choices) else 0.0
+    return 1.0 if verifier(answer, gold, question=question, choices=choices) else 0.0

@@ -6,8 +6,9 @@ answered by `<tool_response>…</tool_response>`. The response is checked per as
 observations are the environment's, never judged). Compliant means:
 
 - `<think>`/`</think>` balanced (the release's check);
-- every code block opened is closed, not nested, and holds code (a non-empty fenced block for
-  `<code>`, a JSON object with a "name" for `<tool_call>`);
+- every code block opened is closed, not nested, and holds code the rollout engine would run
+  (`protocol.call_body`: a non-empty fenced block tagged python/py/python3 or untagged for `<code>`,
+  a JSON object with a "name" and code in its "arguments" for `<tool_call>`);
 - every turn but the last ends with its code block (the rollout stops at the closing tag), and
   holds exactly one;
 - exactly one `<answer>…</answer>`, non-empty, in the last turn, with no code block in that turn
@@ -19,16 +20,23 @@ An empty answer is malformed here (the release only requires the tags); see WORK
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Sequence
 
-from codedance_jax.protocol import CODE, IM_END, TOOL_CALL, TurnFormat, get_turn_format
+from codedance_jax.protocol import (
+    ANSWER_CLOSE,
+    ANSWER_OPEN,
+    ANSWER_RE,
+    CODE,
+    END_MARKERS,
+    TOOL_CALL,
+    TurnFormat,
+    call_body,
+    get_turn_format,
+)
 
-# The tags come from the one protocol module; the old names stay for callers of this module.
+# The tags and the call-body rule come from the one protocol module; the old names stay for callers.
 CODE_FORMAT, TOOL_CALL_FORMAT = CODE, TOOL_CALL
-_END_MARKERS = (IM_END, "<|endoftext|>")
-_FENCE_RE = re.compile(r"```[ \t]*(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,21 +59,6 @@ def split_turns(response: str, fmt: TurnFormat) -> list[str]:
     return obs.split(response)
 
 
-def _call_body_problem(body: str, fmt: TurnFormat) -> str | None:
-    if fmt.name == "code":
-        m = _FENCE_RE.search(body)
-        if m is None or not m.group(1).strip():
-            return "code block without a fenced, non-empty ```python block"
-        return None
-    try:
-        call = json.loads(body.strip())
-    except ValueError:
-        return "tool call is not valid JSON"
-    if not isinstance(call, dict) or "name" not in call or not isinstance(call.get("arguments", {}), dict):
-        return 'tool call JSON lacks "name" or has non-object "arguments"'
-    return None
-
-
 def check_format(response: str | Sequence[str], fmt: TurnFormat | str = CODE_FORMAT) -> FormatResult:
     """Check a response (a decoded string with observations, or the list of assistant turns)."""
     fmt = get_turn_format(fmt)
@@ -75,8 +68,8 @@ def check_format(response: str | Sequence[str], fmt: TurnFormat | str = CODE_FOR
     if full.count("<think>") != full.count("</think>"):
         problems.append("unbalanced <think> tags")
 
-    n_answers = full.count("<answer>")
-    if n_answers != 1 or full.count("</answer>") != 1:
+    n_answers = full.count(ANSWER_OPEN)
+    if n_answers != 1 or full.count(ANSWER_CLOSE) != 1:
         problems.append(f"expected exactly one <answer>…</answer>, found {n_answers} opening tag(s)")
 
     for m, turn in enumerate(turns):
@@ -92,7 +85,7 @@ def check_format(response: str | Sequence[str], fmt: TurnFormat | str = CODE_FOR
             continue
         for o in opens:
             body = turn[o + len(fmt.call_open) : turn.index(fmt.call_close, o)]
-            problem = _call_body_problem(body, fmt)
+            problem = call_body(body, fmt).error  # the engine runs exactly the blocks this accepts
             if problem:
                 problems.append(f"turn {m}: {problem}")
         if not last:
@@ -102,18 +95,18 @@ def check_format(response: str | Sequence[str], fmt: TurnFormat | str = CODE_FOR
                 )
             elif turn[closes[-1] + len(fmt.call_close) :].strip():
                 problems.append(f"turn {m}: text after the code block (the turn should end at {fmt.call_close})")
-            if "<answer>" in turn:
+            if ANSWER_OPEN in turn:
                 problems.append(f"turn {m}: answer before the last turn")
         else:
             if opens:
                 problems.append(f"turn {m}: code block in the answer turn is never executed")
-            if "</answer>" in turn:
-                tail = turn[turn.rindex("</answer>") + len("</answer>") :]
-                for marker in _END_MARKERS:
+            if ANSWER_CLOSE in turn:
+                tail = turn[turn.rindex(ANSWER_CLOSE) + len(ANSWER_CLOSE) :]
+                for marker in END_MARKERS:
                     tail = tail.replace(marker, "")
                 if tail.strip():
                     problems.append("text after </answer>")
-                ans = re.findall(r"<answer>(.*?)</answer>", turn, re.DOTALL)
+                ans = ANSWER_RE.findall(turn)
                 if ans and not ans[-1].strip():
                     problems.append("empty answer")
             elif n_answers == 1:

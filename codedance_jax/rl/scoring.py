@@ -1,10 +1,12 @@
 """Score finished rollouts: R_acc, format, per-turn execution arrays, and the summary metrics.
 
-Host side, per trajectory: the assistant turns are decoded from `tokens` where `turn_ids == m`
-(exactly what was sampled, observations excluded); R_acc verifies the last turn's `<answer>`
-against the reference (`answers.accuracy_reward`); the format check reads the list of turns;
-`turn_arrays` packs turn statuses for the R_BAT kernel. The result also fills the trajectory
-record's `answer`, `correct` and `rewards`.
+Host side, per trajectory: the assistant turns are the texts the rollout engine recorded
+(`turns[m]["text"]`, the decode of exactly what was sampled; records without them, e.g. older
+JSONL files, are decoded here from `tokens` where `turn_ids == m`); R_acc verifies the answer the
+engine recorded (`Trajectory.answer`, read by `protocol.extract_answer`; `answers.answer_reward`);
+the format check reads the list of turns; `turn_arrays` packs turn statuses for the R_BAT kernel.
+The result also fills the trajectory record's `answer` (for records without turn texts),
+`correct` and `rewards`.
 
 Metrics (SPEC section 2): accuracy, average turns per trajectory, execution success rate =
 successful executions / executions; plus tool calls per trajectory and the tool-call rate (share
@@ -19,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from codedance_jax.rl.answers import accuracy_reward, extract_answer
+from codedance_jax.rl.answers import answer_reward, extract_answer
 from codedance_jax.rl.format import check_format
 from codedance_jax.rl.rbat import RBATConfig, turn_arrays
 
@@ -34,7 +36,19 @@ class Scored:
     turn_failed: np.ndarray  # bool[B, M]
 
 
+def recorded_turns(traj) -> list[str] | None:
+    """The engine's text of each assistant turn, or None when the record does not carry them all."""
+    tid = np.asarray(traj.turn_ids)
+    n = int(tid.max()) + 1 if len(tid) and tid.max() >= 0 else 0
+    texts = [t.get("text") for t in traj.turns]
+    return texts if len(texts) == n and all(isinstance(x, str) for x in texts) else None
+
+
 def assistant_turns(traj, processor) -> list[str]:
+    """The text of each assistant turn: as the engine recorded it, else decoded from the tokens."""
+    texts = recorded_turns(traj)
+    if texts is not None:
+        return texts
     ids = np.asarray(traj.tokens)
     tid = np.asarray(traj.turn_ids)
     n = int(tid.max()) + 1 if len(tid) and tid.max() >= 0 else 0
@@ -61,10 +75,10 @@ def score(trajs, golds: Sequence[str], processor, *, max_turns: int, cfg: RBATCo
     fmt_ok = np.zeros(len(trajs), bool)
     for i, (t, gold) in enumerate(zip(trajs, golds, strict=True)):
         turns = assistant_turns(t, processor)
-        last = turns[-1] if turns else ""
-        acc[i] = accuracy_reward(last, gold, question=questions[i] if questions else "")
+        if recorded_turns(t) is None:  # not from the engine of this version: read the answer here
+            t.answer = extract_answer(turns[-1]) if turns else None
+        acc[i] = answer_reward(t.answer, gold, question=questions[i] if questions else "")
         fmt_ok[i] = bool(turns) and check_format(turns, turn_format).ok
-        t.answer = extract_answer(last)
         t.correct = bool(acc[i] > 0)
     is_tool, failed = turn_arrays([_clean_turns(t.turns) for t in trajs], max_turns=max_turns, cfg=cfg)
     return Scored(acc, fmt_ok, is_tool, failed)

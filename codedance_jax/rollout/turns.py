@@ -1,7 +1,7 @@
-"""One turn on the host: what ended it, the code it holds, and the observation tokens that answer it.
+"""One turn on the host: the observation tokens that answer a turn's code.
 
-The observation string itself comes from `codedance_jax.protocol` (the one place that knows the format);
-this module fills it from an `ExecResult`, resizes and caps the captured images, and tokenizes the
+What ended a turn and the code it holds are read by `codedance_jax.protocol` (re-exported here), and
+the observation string comes from there too (the one place that knows the format); this module fills it from an `ExecResult`, resizes and caps the captured images, and tokenizes the
 observation on its own. Observations start with the `<|im_end|>` special token, so their tokens
 never merge with the sampled tokens before them: appending their ids gives exactly the sequence a
 tokenizer would give for the whole text, and nothing is ever re-tokenized.
@@ -15,83 +15,27 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
-import re
 
 import numpy as np
 from PIL import Image
 
 from codedance_jax import protocol as obs_format
-from codedance_jax.protocol import TurnFormat
+from codedance_jax.protocol import (
+    ANSWER_CLOSE,
+    ENDOFTEXT,
+    IM_END,
+    CodeBlock,
+    TurnFormat,
+    extract_answer,
+    extract_code,
+    find_stop,
+    stop_strings,
+)
 
-ANSWER_CLOSE = "</answer>"
-IM_END = "<|im_end|>"
-ENDOFTEXT = "<|endoftext|>"
-_FENCE_RE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-
-
-def stop_strings(fmt: TurnFormat) -> tuple[str, ...]:
-    return (fmt.call_close, ANSWER_CLOSE, IM_END, ENDOFTEXT)
-
-
-def find_stop(text: str, fmt: TurnFormat) -> tuple[int, str] | None:
-    """(end offset, stop string) of the earliest stop string in `text`, or None."""
-    best = None
-    for s in stop_strings(fmt):
-        i = text.find(s)
-        if i >= 0 and (best is None or i + len(s) < best[0]):
-            best = (i + len(s), s)
-    return best
-
-
-def extract_answer(text: str) -> str | None:
-    """The text inside the last `<answer>...</answer>` of a turn, stripped; None without one."""
-    found = _ANSWER_RE.findall(text)
-    return found[-1].strip() if found else None
-
-
-@dataclasses.dataclass(frozen=True)
-class CodeBlock:
-    code: str | None  # what runs in the sandbox; None when the block is malformed
-    error: str | None  # why it is malformed (reported to the model as an error observation)
-
-
-def extract_code(turn_text: str, fmt: TurnFormat) -> CodeBlock:
-    """The code of the turn's last call block, which ends the turn (`...</code>` / `...</tool_call>`).
-
-    code format: the fenced ```python block inside `<code>...</code>`. tool_call format: JSON
-    `{"name": ..., "arguments": {"code": "..."}}` (arguments may also be a JSON string; without a
-    "code" key the only string argument is taken).
-    """
-    end = turn_text.rfind(fmt.call_close)
-    if end < 0:
-        return CodeBlock(None, f"the turn does not end with {fmt.call_close}")
-    start = turn_text.rfind(fmt.call_open, 0, end)
-    if start < 0:
-        return CodeBlock(None, f"{fmt.call_close} without a matching {fmt.call_open}")
-    body = turn_text[start + len(fmt.call_open) : end]
-    if fmt.name == "code":
-        m = _FENCE_RE.search(body)
-        if m is None or not m.group(1).strip():
-            return CodeBlock(None, f"no ```python fenced code inside {fmt.call_open}...{fmt.call_close}")
-        return CodeBlock(m.group(1), None)
-    try:
-        call = json.loads(body.strip())
-        args = call.get("arguments", {}) if isinstance(call, dict) else None
-        if isinstance(args, str):
-            args = json.loads(args)
-    except ValueError as e:
-        return CodeBlock(None, f"the tool call is not valid JSON ({e})")
-    if not isinstance(args, dict):
-        return CodeBlock(None, 'the tool call needs a JSON object with "name" and object "arguments"')
-    code = args.get("code")
-    if code is None:
-        strings = [v for v in args.values() if isinstance(v, str)]
-        code = strings[0] if len(strings) == 1 else None
-    if not isinstance(code, str) or not code.strip():
-        return CodeBlock(None, 'the tool call arguments hold no "code" string')
-    return CodeBlock(code, None)
+# The turn protocol (stop strings, code and answer extraction) is `codedance_jax.protocol`'s; its names
+# are re-exported here for the engine, which reads a turn through this module.
+__all__ = ["ANSWER_CLOSE", "ENDOFTEXT", "IM_END", "CodeBlock", "Observation", "build_observation", "extract_answer",
+           "extract_code", "find_stop", "fit_image", "sanitize", "stop_strings"]
 
 
 def sanitize(text: str) -> str:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from codedance_jax.rl.answers import accuracy_reward, extract_answer
+from codedance_jax.protocol import extract_answer
+from codedance_jax.rl.answers import accuracy_reward
 
 REASONS = ("malformed", "no_answer", "answer_mismatch", "bad_box", "unrecovered_error", "too_long")
 BOX_RE = re.compile(r"[\[(]\s*(-?\d+(?:\.\d+)?)\s*,\s*(-?\d+(?:\.\d+)?)\s*,\s*(-?\d+(?:\.\d+)?)\s*,\s*"
