@@ -50,6 +50,7 @@ def _warm_up() -> None:
     import sandbox.cell  # noqa: F401  - everything the session side needs, imported before forks
     import sandbox.rootfs  # noqa: F401
     import sandbox.seccomp  # noqa: F401
+    import sandbox.session  # noqa: F401
     import sandbox.supervisor  # noqa: F401
     import sandbox.workdir  # noqa: F401
 
@@ -82,7 +83,7 @@ def main() -> None:
     ctl = socket.socket(fileno=int(sys.argv[1]))
     cfg = json.loads(sys.argv[2])
     from sandbox import isolation, wire
-    from sandbox.supervisor import anchor_main
+    from sandbox.session import anchor_main
 
     isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
     isolation.set_process_name("sbx-zygote")

@@ -10,9 +10,11 @@ loss_mask aligned with targets, positions [3, B, T], per-row vision plan) plus t
 
 Positions are recomputed from the full token sequence with `mrope_positions`; the rollout engine
 wrote observation chunks at each row's next position, which is the same thing (tested), so the
-recomputed log-probs equal the recorded ones up to float error. Images are re-encoded from the
-trajectory's PIL images (the exact images the engine gave the processor); their grids must equal
-the recorded `image_grid_thw`, a cheap guard against a processor mismatch.
+recomputed log-probs equal the recorded ones up to float error. Images are encoded once per step:
+the pixel values the engine fed the model travel with the trajectory (`Trajectory.vision`, in
+memory only); a record loaded from JSONL is re-encoded from its PIL images (the exact images the
+engine gave the processor). The grids must equal the recorded `image_grid_thw`, a cheap guard
+against a processor mismatch.
 """
 
 from __future__ import annotations
@@ -31,7 +33,11 @@ from codedance_jax.train.packing import share_images as share_images_layout
 
 def trajectory_example(traj, processor, cfg: ModelConfig, buckets: Sequence[Bucket]) -> Example:
     ids = np.asarray(traj.tokens, np.int32)
-    if traj.images:
+    vision = getattr(traj, "vision", None) or []
+    if traj.images and len(vision) == len(traj.images):  # encoded once, by the rollout engine
+        pv = np.concatenate([np.asarray(v[0]) for v in vision])
+        grid = np.concatenate([np.asarray(v[1]).reshape(-1, 3) for v in vision])
+    elif traj.images:  # a record loaded from JSONL carries only the images
         pv, grid = processor.encode_images(list(traj.images))
     else:
         pv, grid = np.zeros((0, cfg.vision.patch_dim), np.float32), np.zeros((0, 3), np.int64)
