@@ -1,6 +1,7 @@
-"""The demo report's plots: training curves from the metrics rows, and GRPO's per-step sampled
-rates with 95% bands. Matplotlib's Agg canvas directly (no pyplot, no global backend switch); a
-series with no finite value is left out, a plot with no series is not drawn."""
+"""The demo report's plots: training curves from the metrics rows, GRPO's per-step sampled
+rates with 95% bands, and what GRPO's executed cells do per step. Matplotlib's Agg canvas
+directly (no pyplot, no global backend switch); a series with no finite value is left out, a plot
+with no series is not drawn."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from collections.abc import Mapping, Sequence
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from runs.demo.numbers import _ci, _num
 from eval import tool_analytics
 from eval.intervals import rate_intervals
+from runs.demo.numbers import _ci, _num
 
 # (file stem, title, y label, metrics source, [(key, legend label)], y is a rate)
 PLOTS = [
@@ -133,6 +134,32 @@ def plot_step_rates(rows: Sequence[Mapping], path: str) -> str | None:
         ax.legend(fontsize="small")
     if not drawn:
         return None
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, format="png")
+    return path
+
+def plot_tool_use(curves: Sequence[Mapping], path: str) -> str | None:
+    """What GRPO's executed cells do per step (`eval.tool_analytics.step_curves` rows): the share of
+    cells showing each behaviour, and using a call not in the SFT data. A behaviour never seen is
+    left out; None when nothing was seen."""
+    keys = [(f"behaviour/{label}", label) for label, _ in tool_analytics.BEHAVIOURS]
+    keys.append(("novel_cell_rate", "a call not in the SFT data"))
+    data = [(label, *series(curves, k)) for k, label in keys]
+    data = [d for d in data if d[1] and any(y > 0 for y in d[2])]
+    if not data:
+        return None
+    fig = Figure(figsize=(6, 3.6), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for label, xs, ys in data:
+        ax.plot(xs, ys, label=label, marker="o" if len(xs) <= 30 else None, markersize=4)
+    ax.set_title("GRPO rollouts: what the executed cells do")
+    ax.set_xlabel("step")
+    ax.set_ylabel("share of executed cells")
+    ax.set_ylim(-0.03, 1.03)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fig.savefig(path, format="png")

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from codedance_jax.rl.scoring import summarize
+from codedance_jax.rollout.record import Trajectory, save_jsonl
 from runs.demo.checks import lookup
 from runs.demo.numbers import fmt_metric
 from runs.demo.plots import series
 from runs.demo.report import write_report
-from codedance_jax.rl.scoring import summarize
-from codedance_jax.rollout.record import Trajectory, save_jsonl
 
 FAMILIES = ("count", "bars", "find")
 EVIL = "<script>alert('x')</script>"
@@ -324,8 +324,8 @@ def test_tool_use_section(demo):
 def test_grpo_step_rates_with_intervals(tmp_path):
     """Per GRPO step: accuracy and tool-call rate of its rollouts, per difficulty (from the RL prompts'
     metadata), each with the clustered Wilson interval; drawn as plots/grpo_step_rates.png."""
-    from runs.demo.plots import step_rates
     from eval.intervals import rate_intervals
+    from runs.demo.plots import step_rates
 
     rng = np.random.default_rng()
     metas = tmp_path / "prompts.jsonl"
