@@ -17,7 +17,7 @@ import os
 
 from eval import tool_analytics
 from eval.runner import PREDICTIONS, TRAJECTORIES, read_jsonl
-from eval.summary import TABLE_COLUMNS, _fmt
+from eval.summary import TABLE_COLUMNS, format_value
 from eval.trajectory_html import trajectory_html
 
 EAGER_ITEMS = 20  # items whose images load eagerly (the rest lazily)
@@ -96,7 +96,7 @@ def write_report(workdir: str, summary: dict | None = None, embed: bool = False,
             + "".join(f"<th>{html.escape(h)}</th>" for _, h in TABLE_COLUMNS)
             + "</tr><tr>"
             + "".join(
-                f"<td>{html.escape(_fmt(summary.get(k), 2 if k == 'avg_turns' else 1))}</td>" for k, _ in TABLE_COLUMNS
+                f"<td>{html.escape(format_value(summary.get(k), 2 if k == 'avg_turns' else 1))}</td>" for k, _ in TABLE_COLUMNS
             )
             + "</tr></table>"
         )
@@ -131,7 +131,7 @@ def write_report(workdir: str, summary: dict | None = None, embed: bool = False,
         )
         out.append(
             f'<div class="meta">#{html.escape(str(p["index"]))} · {verdict} (rule) · strict '
-            f"{p['strict_hit']} · judge {_fmt(p.get('judge_hit'))} · {p['num_turns']} turns · "
+            f"{p['strict_hit']} · judge {format_value(p.get('judge_hit'))} · {p['num_turns']} turns · "
             f"{p['exec_ok']}/{p['num_tool_calls']} executions ok · {html.escape(str(p.get('finish_reason')))}</div>"
         )
         out.append(f'<pre class="question">{html.escape(str(p.get("asked", p.get("question"))))}</pre>')

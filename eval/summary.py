@@ -96,7 +96,7 @@ def _pct(x):
     return None if x is None else 100.0 * x
 
 
-def _fmt(v, nd=1):
+def format_value(v, nd=1):
     return "—" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
 
 
@@ -118,7 +118,7 @@ TABLE_COLUMNS = [
 def markdown_table(summaries: list[dict]) -> str:
     lines = ["| " + " | ".join(h for _, h in TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
     for s in summaries:
-        lines.append("| " + " | ".join(_fmt(s.get(k), 2 if k == "avg_turns" else 1) for k, _ in TABLE_COLUMNS) + " |")
+        lines.append("| " + " | ".join(format_value(s.get(k), 2 if k == "avg_turns" else 1) for k, _ in TABLE_COLUMNS) + " |")
     return "\n".join(lines)
 
 

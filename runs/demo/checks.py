@@ -3,10 +3,9 @@ GRPO-against-SFT effects (their rules are in `report.py`'s docstring)."""
 
 from __future__ import annotations
 
-import html
 from collections.abc import Mapping
 
-from runs.demo.numbers import METRICS, _fmt_diff, _num, fmt_metric
+from runs.demo.numbers import METRICS, fmt_diff, fmt_metric, to_float
 
 
 def lookup(summary: Mapping, key: str):
@@ -42,7 +41,7 @@ def check_targets(evals: Mapping[str, Mapping], targets: Mapping | None) -> dict
         res = {}
         for key, spec in (targets or {}).items():
             op, thr = _threshold(spec)
-            v = _num(lookup(s, key))
+            v = to_float(lookup(s, key))
             met = v is not None and (v >= thr if op == ">=" else v <= thr)
             res[key] = {"value": v, "op": op, "threshold": thr, "met": bool(met)}
         out[name] = res
@@ -59,14 +58,14 @@ def adaptive_checks(evals: Mapping[str, Mapping], before: str = "sft", after: st
     if b is None or a is None:
         why = f"not evaluated: needs evaluations named '{before}' and '{after}'"
         return [{"name": name_a, "met": None, "detail": why}, {"name": name_b, "met": None, "detail": why}]
-    acc_b, acc_a = _num(b.get("accuracy")), _num(a.get("accuracy"))
+    acc_b, acc_a = to_float(b.get("accuracy")), to_float(a.get("accuracy"))
     met = None if acc_b is None or acc_a is None else acc_a >= acc_b
     checks.append({
         "name": name_a, "met": met, "values": {before: acc_b, after: acc_a},
         "detail": f"accuracy {before} {fmt_metric('accuracy', acc_b)} -> {after} {fmt_metric('accuracy', acc_a)}",
     })
-    easy_b, easy_a = _num(lookup(b, "easy_tool_rate")), _num(lookup(a, "easy_tool_rate"))
-    hard_b, hard_a = _num(lookup(b, "hard_tool_rate")), _num(lookup(a, "hard_tool_rate"))
+    easy_b, easy_a = to_float(lookup(b, "easy_tool_rate")), to_float(lookup(a, "easy_tool_rate"))
+    hard_b, hard_a = to_float(lookup(b, "hard_tool_rate")), to_float(lookup(a, "hard_tool_rate"))
     if None in (easy_b, easy_a, hard_a):
         met = None
     else:
@@ -100,34 +99,30 @@ def effect_checks(evals: Mapping[str, Mapping], diffs: Mapping[str, Mapping], sp
     d = sampled.get("accuracy") or {}
     ok = None if d.get("diff") is None or d.get("ci95") is None else bool(d["diff"] >= gain and d["ci95"][0] > 0)
     add(f"sampled accuracy {as_} >= {bs} + {100 * gain:.0f} pts, interval above 0", ok,
-        f"{_fmt_diff(d.get('diff'), d.get('ci95'))}")
+        f"{fmt_diff(d.get('diff'), d.get('ci95'))}")
     for pair, label in ((greedy, "greedy"), (sampled, "sampled")):
         for key in ("accuracy", "accuracy, hard"):
             d = pair.get(key) or {}
             ok = None if d.get("diff") is None else bool(d["diff"] >= 0)
-            add(f"{label} {key} does not fall", ok, _fmt_diff(d.get("diff"), d.get("ci95")))
+            add(f"{label} {key} does not fall", ok, fmt_diff(d.get("diff"), d.get("ci95")))
     ratio = float(spec.get("easy_tool_rate_ratio", 0.5))
     hard_min = float(spec.get("hard_tool_rate_min", 0.9))
     for b, a, label in ((before, after, "greedy"), (bs, as_, "sampled")):
         eb, ea = evals.get(b), evals.get(a)
-        vb = _num(lookup(eb, "easy_tool_rate")) if eb else None
-        va = _num(lookup(ea, "easy_tool_rate")) if ea else None
+        vb = to_float(lookup(eb, "easy_tool_rate")) if eb else None
+        va = to_float(lookup(ea, "easy_tool_rate")) if ea else None
         # A cold start that calls no tool on easy items leaves nothing to halve: not evaluated.
         ok = None if vb is None or va is None or vb == 0 else bool(va <= ratio * vb)
         add(f"{label} easy-item tool-call rate {a} <= {ratio:g} x {b}", ok,
             f"{fmt_metric('tool_rate', vb)} -> {fmt_metric('tool_rate', va)}"
             + (f" ({b} calls no tool on easy items)" if vb == 0 else ""))
-        vh = _num(lookup(ea, "hard_tool_rate")) if ea else None
+        vh = to_float(lookup(ea, "hard_tool_rate")) if ea else None
         add(f"{label} hard-item tool-call rate {a} >= {fmt_metric('tool_rate', hard_min)}",
             None if vh is None else bool(vh >= hard_min), fmt_metric("tool_rate", vh))
     return out
 
-def _check_html(c: Mapping) -> str:
-    cls = {True: "met", False: "notmet"}.get(c["met"], "")
-    return (f'<li>{html.escape(c["name"])}: <span class="{cls}">{html.escape(_verdict(c["met"]))}</span> '
-            f"({html.escape(c['detail'])})</li>")
-
-def _verdict(met) -> str:
+def verdict(met) -> str:
+    """A check's outcome in words: met, NOT met, or not evaluated (None)."""
     return "not evaluated" if met is None else ("met" if met else "NOT met")
 
 def targets_table(results: dict, targets: Mapping | None) -> tuple[list[str], list[list[str]]]:
@@ -139,6 +134,6 @@ def targets_table(results: dict, targets: Mapping | None) -> tuple[list[str], li
         row = [key, f"{op} {fmt_metric(metric, thr)}"]
         for res in results.values():
             r = res[key]
-            row.append(f"{fmt_metric(metric, r['value'])} {_verdict(r['met'])}")
+            row.append(f"{fmt_metric(metric, r['value'])} {verdict(r['met'])}")
         rows.append(row)
     return header, rows

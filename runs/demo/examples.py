@@ -16,7 +16,7 @@ import shutil
 from collections.abc import Mapping, Sequence
 
 from eval.trajectory_html import trajectory_html
-from runs.demo.numbers import _num
+from runs.demo.numbers import to_float
 from runs.demo.tables import DIFFICULTY_ORDER, FAMILY_ORDER, ordered
 
 
@@ -81,7 +81,7 @@ def example_html(rec: Mapping, traj_dir: str, out_dir: str, copy_to: str | None)
     turns = [t if isinstance(t, Mapping) else {} for t in rec.get("turns") or []]
     verdict = _verdict(rec)
     rewards = rec.get("rewards") if isinstance(rec.get("rewards"), Mapping) else {}
-    rew = ", ".join(f"{k} {_num(v):.3g}" if _num(v) is not None else f"{k} {v}" for k, v in rewards.items())
+    rew = ", ".join(f"{k} {to_float(v):.3g}" if to_float(v) is not None else f"{k} {v}" for k, v in rewards.items())
     info = [
         str(rec.get("id", "?")),
         f"{m.get('family', '?')} / {m.get('difficulty', '?')}",

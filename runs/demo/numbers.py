@@ -11,7 +11,7 @@ COUNTS = ("n", "n_items", "samples_per_item")
 
 METRICS = ("accuracy", "avg_turns", "exec_success", "tool_calls", "tool_rate", "n")
 
-def _num(v) -> float | None:
+def to_float(v) -> float | None:
     """A finite float, or None (missing, NaN, not a number)."""
     if isinstance(v, bool) or v is None:
         return None
@@ -23,7 +23,7 @@ def _num(v) -> float | None:
 
 def fmt_metric(metric: str, v) -> str:
     """Rates as percentages (one decimal), turns and calls with two decimals, counts as integers."""
-    f = _num(v)
+    f = to_float(v)
     if f is None:
         return "n/a"
     if metric in RATES:
@@ -32,24 +32,24 @@ def fmt_metric(metric: str, v) -> str:
         return str(int(f))
     return f"{f:.2f}"
 
-def _ci(v) -> tuple[float, float] | None:
+def to_interval(v) -> tuple[float, float] | None:
     """A finite [lo, hi] pair, or None."""
     if not isinstance(v, list | tuple) or len(v) != 2:
         return None
-    lo, hi = _num(v[0]), _num(v[1])
+    lo, hi = to_float(v[0]), to_float(v[1])
     return None if lo is None or hi is None else (lo, hi)
 
 def fmt_ci(metric: str, v, ci) -> str:
     """A rate with its 95% interval, `91.7% [85.3, 95.5]` (the bare value without an interval)."""
     text = fmt_metric(metric, v)
-    c = _ci(ci)
-    if metric not in RATES or c is None or _num(v) is None:
+    c = to_interval(ci)
+    if metric not in RATES or c is None or to_float(v) is None:
         return text
     return f"{text} [{100 * c[0]:.1f}, {100 * c[1]:.1f}]"
 
-def _fmt_diff(d, ci) -> str:
+def fmt_diff(d, ci) -> str:
     """A difference in percentage points with its interval; `*` when the interval excludes 0."""
-    d, c = _num(d), _ci(ci)
+    d, c = to_float(d), to_interval(ci)
     if d is None:
         return "n/a"
     if c is None:

@@ -148,9 +148,9 @@ def _read_jsonl(path: str) -> list[dict]:
 
 def run(c, workdir: str) -> dict:
     """Runs every phase (skipping finished ones) and returns the report's summary."""
-    from runs.demo.report import write_report
     from runs import grpo as grpo_run
     from runs import sft as sft_run
+    from runs.demo.report import write_report
 
     workdir = os.path.abspath(workdir)
     # Config errors before any work (nothing written yet): the reward and loss of the GRPO phase.

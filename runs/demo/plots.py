@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 
 from eval import tool_analytics
 from eval.intervals import rate_intervals
-from runs.demo.numbers import _ci, _num
+from runs.demo.numbers import to_float, to_interval
 
 # (file stem, title, y label, metrics source, [(key, legend label)], y is a rate)
 PLOTS = [
@@ -35,10 +35,10 @@ def series(rows: Sequence[Mapping], key: str) -> tuple[list[float], list[float]]
     """(steps, values) of `key` over metric rows, skipping rows without it or with a non-finite value."""
     pts = []
     for i, r in enumerate(rows or ()):
-        y = _num(r.get(key)) if isinstance(r, Mapping) else None
+        y = to_float(r.get(key)) if isinstance(r, Mapping) else None
         if y is None:
             continue
-        x = _num(r.get("step"))
+        x = to_float(r.get("step"))
         pts.append((i if x is None else x, y))
     pts.sort(key=lambda p: p[0])
     return [p[0] for p in pts], [p[1] for p in pts]
@@ -118,8 +118,8 @@ def plot_step_rates(rows: Sequence[Mapping], path: str) -> str | None:
     for k, (metric, title) in enumerate(STEP_RATES):
         ax = fig.add_subplot(1, len(STEP_RATES), k + 1)
         for prefix, label in (("difficulty=easy/", "easy"), ("difficulty=hard/", "hard"), ("", "all")):
-            pts = [(r["step"], r[f"{prefix}{metric}"], _ci(r.get(f"{prefix}{metric}_ci95"))) for r in rows
-                   if _num(r.get(f"{prefix}{metric}")) is not None and _ci(r.get(f"{prefix}{metric}_ci95"))]
+            pts = [(r["step"], r[f"{prefix}{metric}"], to_interval(r.get(f"{prefix}{metric}_ci95"))) for r in rows
+                   if to_float(r.get(f"{prefix}{metric}")) is not None and to_interval(r.get(f"{prefix}{metric}_ci95"))]
             if not pts:
                 continue
             xs, ys, cis = zip(*pts, strict=True)

@@ -45,9 +45,9 @@ from collections.abc import Mapping, Sequence
 from eval import tool_analytics
 from eval.report import CSS as EVAL_CSS
 from runs.demo import tables
-from runs.demo.checks import _verdict, adaptive_checks, check_targets, effect_checks, targets_table
+from runs.demo.checks import adaptive_checks, check_targets, effect_checks, targets_table, verdict
 from runs.demo.examples import examples_html
-from runs.demo.numbers import _num
+from runs.demo.numbers import to_float
 from runs.demo.plots import plot_step_rates, plot_tool_use, step_rates, write_plots
 from runs.demo.report_model import (
     Block,
@@ -99,7 +99,7 @@ def _clean(obj):
         return obj
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
-    f = _num(obj)  # numpy scalars
+    f = to_float(obj)  # numpy scalars
     if f is not None:
         return int(f) if float(f).is_integer() and "int" in type(obj).__name__ else f
     try:
@@ -213,7 +213,7 @@ def summary_json(f: Findings) -> dict:
 
 
 def _check_items(checks: Sequence[Mapping]) -> Bullets:
-    return Bullets([(f"{c['name']}: ", Strong(_verdict(c["met"]), {True: "met", False: "notmet"}.get(c["met"], "")),
+    return Bullets([(f"{c['name']}: ", Strong(verdict(c["met"]), {True: "met", False: "notmet"}.get(c["met"], "")),
                      f" ({c['detail']})") for c in checks])
 
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 from eval import tool_analytics
 from eval.intervals import difference
-from runs.demo.numbers import _ci, _fmt_diff, _num, fmt_ci, fmt_metric
+from runs.demo.numbers import fmt_ci, fmt_diff, fmt_metric, to_float, to_interval
 
 FAMILY_ORDER = ("count", "bars", "find")
 DIFFICULTY_ORDER = ("easy", "hard")
@@ -97,8 +97,8 @@ def rate_breakdown_table(evals: Mapping[str, Mapping], metric: str) -> Rows:
         row = [fam, diff]
         for s in evals.values():
             cell = fmt_ci(metric, s.get(key), s.get(f"{key}_ci95"))
-            n = _num(s.get(f"{p}/n" if p else "n"))
-            items, k = _num(s.get(f"{p}/n_items" if p else "n_items")), _num(s.get("samples_per_item"))
+            n = to_float(s.get(f"{p}/n" if p else "n"))
+            items, k = to_float(s.get(f"{p}/n_items" if p else "n_items")), to_float(s.get("samples_per_item"))
             if metric != "exec_success" and n is not None:
                 cell += f" ({int(items)} x {int(k)})" if items is not None and k and k > 1 else f" ({int(n)})"
             row.append(cell)
@@ -114,8 +114,8 @@ def differences(evals: Mapping[str, Mapping], before: str, after: str) -> dict:
         return {}
     out = {}
     for key, label in DIFF_KEYS:
-        vb, va = _num(b.get(key)), _num(a.get(key))
-        cb, ca = _ci(b.get(f"{key}_ci95")), _ci(a.get(f"{key}_ci95"))
+        vb, va = to_float(b.get(key)), to_float(a.get(key))
+        cb, ca = to_interval(b.get(f"{key}_ci95")), to_interval(a.get(f"{key}_ci95"))
         d = None if vb is None or va is None else va - vb
         ci = list(difference(vb, cb, va, ca)) if d is not None and cb and ca else None
         out[label] = {"key": key, "before": vb, "after": va, "diff": d, "ci95": ci,
@@ -133,12 +133,12 @@ def differences_table(diffs: Mapping[str, Mapping]) -> Rows:
     """One row per DIFF_KEYS rate, one column per pair (`{after} - {before}`)."""
     header = ["rate"] + list(diffs)
     labels = [label for _, label in DIFF_KEYS]
-    rows = [[label] + [_fmt_diff(d[label]["diff"], d[label]["ci95"]) for d in diffs.values()] for label in labels]
+    rows = [[label] + [fmt_diff(d[label]["diff"], d[label]["ci95"]) for d in diffs.values()] for label in labels]
     return header, rows
 
 
 def _pct(v) -> str:
-    f = _num(v)
+    f = to_float(v)
     return "n/a" if f is None else f"{100 * f:.0f}%"
 
 
@@ -174,9 +174,9 @@ def drift_table(drift: Sequence[Mapping]) -> Rows:
 
 def timings_table(timings: Mapping[str, float]) -> Rows:
     """Seconds and minutes per phase, then the total (a phase without a number counts 0)."""
-    rows = [[k, fmt_metric("s", v), fmt_metric("s", _num(v) / 60 if _num(v) is not None else None)]
+    rows = [[k, fmt_metric("s", v), fmt_metric("s", to_float(v) / 60 if to_float(v) is not None else None)]
             for k, v in timings.items()]
     if timings:
-        total = sum(_num(v) or 0.0 for v in timings.values())
+        total = sum(to_float(v) or 0.0 for v in timings.values())
         rows.append(["total", f"{total:.2f}", f"{total / 60:.2f}"])
     return ["phase", "seconds", "minutes"], rows
