@@ -7,7 +7,7 @@ Imports are read with `ast` from every module (including imports inside function
    top-level folder, no exceptions for subfolders);
 2. no cycle between packages (a package = a subpackage such as `codedance_jax.rollout`, or a
    module directly under a top-level folder such as `codedance_jax.sharding` or `data.chat`);
-3. no `_private` name (or `_private` module) imported from another package.
+3. no `_private` name imported from another module, and no `_private` module from another package.
 
 Plus: `sandbox/` imports no JAX. The checker runs on synthetic sources too, so each rule is seen
 to fail on a bad import.
@@ -154,9 +154,9 @@ def check(sources: dict[str, tuple[str, bool]]) -> list[str]:
                 )
             private = (imp.name or "").startswith("_") and not (imp.name or "").startswith("__")
             private_mod = any(p.startswith("_") and not p.startswith("__") for p in imp.target.split("."))
-            if (private or private_mod) and dir_package(imp.target, packages) != dir_package(src, packages):
+            if private or (private_mod and dir_package(imp.target, packages) != dir_package(src, packages)):
                 what = f"{imp.target}.{imp.name}" if imp.name else imp.target
-                problems.append(f"{src}:{imp.line}: imports private {what} from another package; make it public")
+                problems.append(f"{src}:{imp.line}: imports private {what} from another module; make it public")
             a, b = package_of(src, packages), package_of(imp.target, packages)
             if a != b:
                 edges.setdefault(a, set()).add(b)
@@ -253,13 +253,15 @@ def test_checker_rejects_an_upward_import(bad):
     assert any("a higher layer" in p and p.startswith(src) for p in problems), problems
 
 
-def test_checker_rejects_a_private_import_across_packages():
+def test_checker_rejects_a_private_import_across_modules():
     tree = _tree(eval__report="def _img(): pass", runs__demo__report="from eval.report import _img")
     tree["runs.demo"] = ("", True)
     problems = check(tree)
     assert any("private eval.report._img" in p for p in problems), problems
-    # within one package a private helper is fine
+    # within one package too: a helper another module needs is public
     tree = _tree(eval__summary="def _fmt(): pass", eval__report="from eval.summary import _fmt")
+    assert any("private eval.summary._fmt" in p for p in check(tree))
+    tree = _tree(eval__summary="def fmt(): pass", eval__report="from eval.summary import fmt")
     assert check(tree) == []
 
 
