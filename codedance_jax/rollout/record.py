@@ -2,7 +2,8 @@
 
 Contract fields: id, prompt_id, tokens, loss_mask, turn_ids, logprobs, temperature, images,
 turn_status, answer, correct, rewards, policy. Added here: turns (per assistant turn: status,
-observation text, n_images, code; what `rl.turn_arrays` reads), image_grid_thw, num_turns,
+observation text, n_images, code, stop, and `text`, the decode of exactly the turn's sampled ids;
+what `rl.turn_arrays` and scoring read), image_grid_thw, num_turns,
 num_tool_calls (closed call blocks) and num_executions (those that ran), finish_reason, timings
 group (index of the sample within its prompt's group) and prompt_len.
 
@@ -10,6 +11,11 @@ group (index of the sample within its prompt's group) and prompt_len.
 (loss_mask 1, turn_ids m, their log-probs) and the observation ids (loss_mask 0, turn_ids -1,
 logprob 0). Images are in order of appearance in `tokens`: the prompt's, then each observation's,
 each saved as the PNG of the exact image that was given to the processor.
+
+`vision` holds each image's processed vision input as the rollout computed it, (pixel_values
+float32[P, patch_dim], grid_thw int[3]) in the order of `images`, so training need not run the
+image processor again. It lives in memory only: `save_jsonl` does not write it (the PNGs are the
+record) and `load_jsonl` leaves it empty.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class Trajectory:
     num_tool_calls: int = 0
     num_executions: int = 0
     timings: dict = dataclasses.field(default_factory=dict)
+    vision: list = dataclasses.field(default_factory=list, repr=False)  # [(pixel_values, grid_thw)] per image
 
     @property
     def num_turns(self) -> int:
@@ -67,6 +74,21 @@ class Trajectory:
     def response_text(self, processor) -> str:
         """Everything after the prompt, decoded (assistant turns and observations)."""
         return processor.decode(self.tokens[self.prompt_len :])
+
+
+# Fields kept in memory only: neither written by `save_jsonl` nor read by `load_jsonl`.
+IN_MEMORY_FIELDS = frozenset({"vision"})
+
+
+def split_vision(pixel_values, grid_thw) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The processor's batched vision input (pixel_values [P, patch_dim] over the images in order,
+    grid_thw [n, 3]) as one (pixel_values [t*h*w, patch_dim], grid_thw int[3]) pair per image."""
+    grid = np.asarray(grid_thw).reshape(-1, 3)
+    pv = np.asarray(pixel_values)
+    sizes = np.prod(grid, axis=1)
+    if int(sizes.sum()) != pv.shape[0]:
+        raise ValueError(f"pixel_values has {pv.shape[0]} patch rows but image_grid_thw describes {int(sizes.sum())}")
+    return list(zip(np.split(pv, np.cumsum(sizes)[:-1]), grid, strict=True))
 
 
 def _jsonable(v):
@@ -90,7 +112,8 @@ def save_jsonl(
     path = os.path.join(workdir, name)
     with open(path, "a" if append else "w") as f:
         for t in trajectories:
-            rec = {f.name: getattr(t, f.name) for f in dataclasses.fields(t)}  # shallow: images stay as they are
+            # shallow: images stay as they are
+            rec = {f.name: getattr(t, f.name) for f in dataclasses.fields(t) if f.name not in IN_MEMORY_FIELDS}
             paths = []
             for k, im in enumerate(t.images):
                 rel = os.path.join(image_dir, f"{t.id}-{k}.png")
@@ -109,7 +132,7 @@ def load_jsonl(path: str | os.PathLike, load_images: bool = True) -> list[Trajec
     """Read `save_jsonl` output; images come back as PIL images (or relative paths)."""
     path = os.fspath(path)
     root = os.path.dirname(os.path.abspath(path))
-    fields = {f.name for f in dataclasses.fields(Trajectory)}
+    fields = {f.name for f in dataclasses.fields(Trajectory)} - IN_MEMORY_FIELDS
     out = []
     with open(path) as f:
         for n, line in enumerate(f, 1):

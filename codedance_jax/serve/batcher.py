@@ -1,7 +1,8 @@
 """Continuous batching of chat completions onto the rollout sampler's jitted decode chunk.
 
-One thread owns the device state: a static batch of `max_batch` rows sharing one KV cache (the
-rollout engine's layout: shared write index, per-row valid slots and positions). Its loop:
+One thread owns the device state: a static batch of `max_batch` rows sharing one KV cache (a
+`rollout.device_batch.DeviceBatch`, as the rollout engine's: shared write index, per-row valid
+slots and positions). Its loop:
 
   1. admit waiting sequences into free rows: their prompts are written in ONE chunk (right padded
      to a power-of-two bucket, every image in one vision call, positions from 0, the other rows
@@ -29,7 +30,6 @@ Deviation from the rollout engine: greedy rows of a mixed batch take an extra ar
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
 import queue
@@ -37,13 +37,14 @@ import threading
 import time
 from collections.abc import Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from codedance_jax.model import rope
-from codedance_jax.model.generate import compact_cache, drop_slots, encode_vision, extend_arrays, vision_inputs
+from codedance_jax.model.generate import encode_vision, extend_arrays, vision_inputs
 from codedance_jax.rollout import CompileCounter, RowSampling, Sampler, SamplingConfig, build_stop_table, vision_bucket
+from codedance_jax.rollout.buckets import pow2
+from codedance_jax.rollout.device_batch import DeviceBatch, merge_rows, row_bucket
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +101,8 @@ class Batcher:
         # Room for the longest row plus one prefill and one chunk after a compaction.
         self.cache_slots = 2 * max_context + decode_chunk
         self.slots = [_Slot() for _ in range(max_batch)]
-        self.cache = model.init_cache(max_batch, self.cache_slots)
-        self.index = 0
-        self.logits = jnp.zeros((max_batch, cfg.text.vocab_size), jnp.float32)
+        self.batch = DeviceBatch(model.init_cache(max_batch, self.cache_slots),
+                                 jnp.zeros((max_batch, cfg.text.vocab_size), jnp.float32))
         self.waiting: queue.Queue[Choice] = queue.Queue()
         self._backlog: list[Choice] = []
         self._stop = threading.Event()
@@ -176,7 +176,7 @@ class Batcher:
             return
         rows = free[: len(take)]  # the lowest free rows: busy rows stay packed at the front
         b = self._rows_in_use(max(rows) + 1)
-        length = _pow2(max(len(q.input_ids) for q in take), self.min_prefill)
+        length = pow2(max(len(q.input_ids) for q in take), self.min_prefill)
         ids = np.full((b, length), self.pad_id, np.int32)
         mask = np.zeros((b, length), np.int32)
         on = np.zeros(b, bool)
@@ -196,10 +196,10 @@ class Batcher:
         if grids:
             vis = vision_inputs(np.concatenate(pvs), grid, cfg, **vision_bucket(grid, cfg, self.vision_min_units))
             feats = encode_vision(self.model, vis)
-        cache, old_logits = self._head(b)
+        cache, old_logits = self.batch.head(b)
         logits, cache = extend_arrays(self.model, cache, ids, mask, pos, feats, last_only=True)
-        self._put(b, cache, _merge_rows(jnp.asarray(on), logits.astype(jnp.float32), old_logits))
-        self.index += length
+        self.batch.put_head(b, cache, merge_rows(jnp.asarray(on), logits.astype(jnp.float32), old_logits))
+        self.batch.index += length
         for i, q in zip(rows, take, strict=True):
             self.slots[i] = _Slot(seq=q, next_pos=int(next_pos[i]))
         self.stats["prefills"] += 1
@@ -227,11 +227,11 @@ class Batcher:
             uid[i], count[i] = q.uid, len(q.tokens)
             temp[i], top_p[i], greedy[i] = (1.0 if q.greedy else q.temperature), q.top_p, q.greedy
         forced = np.full((b, n), -1, np.int32)
-        cache, logits = self._head(b)
+        cache, logits = self.batch.head(b)
         out, cache, logits = self.sampler.decode_chunk(
             cache, logits, active, limit, hist, forced, uid, count, rows=RowSampling(temp, top_p, greedy))
-        self._put(b, cache, logits)
-        self.index = out.start + out.steps
+        self.batch.put_head(b, cache, logits)
+        self.batch.index = out.start + out.steps
         self.stats["chunks"] += 1
         self.stats["row_steps"] = self.stats.get("row_steps", 0) + b * out.steps
         done = np.zeros(self.max_batch, bool)
@@ -256,8 +256,8 @@ class Batcher:
                 done[i] = True
                 s.seq = None
         if done.any():  # free the rows: no valid slot, and positions back to 0 (extend keeps the max)
-            self.cache = drop_slots(self.cache, jnp.asarray(np.repeat(done[:, None], self.cache_slots, 1)),
-                                    jnp.where(jnp.asarray(done), self.cache.next_pos, 0))
+            self.batch.drop(jnp.asarray(np.repeat(done[:, None], self.cache_slots, 1)),
+                            jnp.where(jnp.asarray(done), self.batch.cache.next_pos, 0))
 
     def _finish_reason(self, q: Choice, s: _Slot, stopped: bool, still_active: bool) -> str | None:
         """Decode the row's text; cut at EOS or a request stop string. Returns the finish reason or None."""
@@ -317,39 +317,17 @@ class Batcher:
                 log.exception("event handler failed")
 
     def _rows_in_use(self, n: int) -> int:
-        """The rows a device call covers: a power of two >= n (capped at max_batch), so a lightly loaded
-        server does not pay for its whole batch every step, with few distinct shapes to compile."""
-        return min(self.max_batch, _pow2(n, 1))
-
-    def _head(self, k: int):
-        """(cache, logits) of rows [0, k): the whole arrays when k is the batch, else copies."""
-        if k == self.max_batch:
-            return self.cache, self.logits
-        return _head_rows(self.cache, self.logits, k=k)
-
-    def _put(self, k: int, cache, logits):
-        if k == self.max_batch:
-            self.cache, self.logits = cache, logits
-        else:  # written back in place (the full arrays are donated)
-            self.cache, self.logits = _put_rows(self.cache, self.logits, cache, logits)
+        """The rows a device call covers, [0, k): k a power of two >= n (capped at max_batch), so a lightly
+        loaded server does not pay for its whole batch every step, with few distinct shapes to compile."""
+        return row_bucket(n, 1, self.max_batch)
 
     def _ensure_room(self, n: int):
-        if self.index + n <= self.cache_slots:
+        if self.batch.fits(n):
             return
-        free = np.array([s.seq is None for s in self.slots])
-        if free.any():
-            self.cache = drop_slots(self.cache, jnp.asarray(np.repeat(free[:, None], self.cache_slots, 1)),
-                                    jnp.zeros(self.max_batch, jnp.int32))
-        self.cache = compact_cache(self.cache)
-        self.index = int(self.cache.index)
+        self.batch.compact(np.array([s.seq is None for s in self.slots]))  # free rows' slots dropped
         self.stats["compactions"] += 1
-        if self.index + n > self.cache_slots:
+        if not self.batch.fits(n):
             raise RuntimeError(f"the KV cache ({self.cache_slots} slots) cannot hold the batch")
-
-
-def _pow2(n: int, minimum: int) -> int:
-    n = max(int(n), int(minimum), 1)
-    return 1 << (n - 1).bit_length()
 
 
 _uids = itertools.count(1)
@@ -360,26 +338,3 @@ def request_uid(seed: int | None, choice: int) -> int:
     if seed is None:
         return (0x40000000 + next(_uids) * 977 + choice) & 0x7FFFFFFF
     return (int(seed) * 1_000_003 + choice * 7919) & 0x3FFFFFFF
-
-
-@functools.partial(jax.jit, static_argnames=("k",))
-def _head_rows(cache, logits, *, k: int):
-    cut = lambda x: x[:k]  # noqa: E731
-    return cache.replace(k=tuple(map(cut, cache.k)), v=tuple(map(cut, cache.v)), valid=cut(cache.valid),
-                         next_pos=cut(cache.next_pos)), cut(logits)
-
-
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def _put_rows(cache, logits, sub, sub_logits):
-    def put(full, part):
-        return jax.lax.dynamic_update_slice_in_dim(full, part, 0, axis=0)
-
-    return cache.replace(k=tuple(map(put, cache.k, sub.k)), v=tuple(map(put, cache.v, sub.v)),
-                         valid=put(cache.valid, sub.valid), next_pos=put(cache.next_pos, sub.next_pos),
-                         index=sub.index), put(logits, sub_logits)
-
-
-@jax.jit
-def _merge_rows(rows_b, new_bv, old_bv):
-    return jnp.where(rows_b[:, None], new_bv, old_bv)
-

@@ -213,6 +213,35 @@ def test_sampling_is_seeded_and_reproducible(model, processor, tmp_path):
     assert_logprobs_match(model, processor, back)
 
 
+def test_turn_text_and_vision_inputs_are_recorded(engine, processor, tmp_path):
+    """Each turn's `text` is the decode of exactly its sampled ids; each image's vision input (the
+    prompt's, then the observations') is kept in memory in image order, and left out of the JSONL."""
+    import json
+
+    scripts = {(0, 0): CODE_IMG, (0, 1): ANSWER, (1, 0): CODE_IMG}
+    trajs, _ = engine.rollout(make_prompts(processor, 2, seed=5), group_size=2, sandbox=FakePool(),
+                              script=lambda r, m: scripts.get((r, m)))
+    assert len(trajs[0].images) == 2 and len(trajs[1].images) == 2 and trajs[0].answer == "42"
+    for t in trajs:
+        tokens, turn_ids = np.asarray(t.tokens), np.asarray(t.turn_ids)
+        assert len(t.turns) == turn_ids.max() + 1
+        for m, turn in enumerate(t.turns):
+            assert turn["text"] == processor.decode(tokens[turn_ids == m].tolist()), (t.id, m)
+        assert len(t.vision) == len(t.images) == len(t.image_grid_thw)
+        for (pv, grid), im, want in zip(t.vision, t.images, t.image_grid_thw, strict=True):
+            assert grid.tolist() == want and pv.shape[0] == np.prod(want)
+            np.testing.assert_array_equal(pv, processor.encode_images([im])[0])
+    assert trajs[0].turns[0]["text"] == CODE_IMG and trajs[0].turns[1]["text"] == ANSWER
+
+    path = save_jsonl(trajs, tmp_path)
+    with open(path) as f:
+        recs = [json.loads(line) for line in f]
+    assert all("vision" not in r for r in recs)
+    assert [[u["text"] for u in r["turns"]] for r in recs] == [[u["text"] for u in t.turns] for t in trajs]
+    back = load_jsonl(path)
+    assert all(t.vision == [] for t in back) and [t.turns for t in back] == [t.turns for t in trajs]
+
+
 def test_batched_appends_keep_trajectories_and_save_calls(model, processor):
     """append_min_frac only changes when observations are appended, not what the rows see."""
     prompts = make_prompts(processor, 4, seed=9)
@@ -293,11 +322,14 @@ def test_a_growing_cache_takes_a_chunk_past_its_full_size_by_growing_then_compac
     the end) grows the cache to its full size and compacts there, as a full-size cache would; the
     demo's sampled evaluation once failed here (512 of 640 slots, a 192-token observation)."""
     from codedance_jax.rollout.config import RolloutStats
+    from codedance_jax.rollout.device_batch import DeviceBatch
+    from codedance_jax.rollout.engine import RolloutState
+    from codedance_jax.rollout.rows import pad_row
 
     eng = RolloutEngine(model, processor, small_config(cache_len=512, cache_grow=256), SamplingConfig(greedy=True))
-    eng.rows = [eng._pad_row(i) for i in range(8)]
-    eng.stats = RolloutStats()
-    eng.cache, eng.index = model.init_cache(8, 256), 250  # 250 slots used, all holes (nothing valid)
-    eng._ensure_room(300)  # 550 > 512: grow to 512, then compaction frees the holes
-    assert eng.cache.max_len == 512 and eng.index == 0
-    assert eng.stats.cache_growths == 1 and eng.stats.compactions == 1
+    # 250 slots used, all holes (nothing valid); no sandbox side: only the cache is exercised
+    batch = DeviceBatch(model.init_cache(8, 256), index=250)
+    st = RolloutState(rows=[pad_row(i) for i in range(8)], batch=batch, host=None, stats=RolloutStats())
+    eng._ensure_room(st, 300)  # 550 > 512: grow to 512, then compaction frees the holes
+    assert batch.cache.max_len == 512 and batch.index == 0
+    assert st.stats.cache_growths == 1 and st.stats.compactions == 1
