@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from runs.demo.numbers import METRICS, fmt_diff, fmt_metric, to_float
+from runs.demo.numbers import METRICS, fmt_diff, fmt_metric, fmt_p, to_float
 
 
 def lookup(summary: Mapping, key: str):
@@ -80,11 +80,14 @@ def adaptive_checks(evals: Mapping[str, Mapping], before: str = "sft", after: st
     return checks
 
 def effect_checks(evals: Mapping[str, Mapping], diffs: Mapping[str, Mapping], spec: Mapping | None,
-                  before: str = "sft", after: str = "grpo") -> list[dict]:
-    """Issue 18's targets for GRPO against SFT (`spec`: `accuracy_gain` (sampled, and its interval
-    above 0), `easy_tool_rate_ratio` (easy-item tool rate after <= ratio x before, greedy and
-    sampled), `hard_tool_rate_min` (hard items' tool rate after, both)); greedy accuracy and hard
-    accuracy must not fall. `met` is None where an evaluation or a value is missing."""
+                  before: str = "sft", after: str = "grpo", paired: Mapping[str, Mapping] | None = None) -> list[dict]:
+    """Issue 18's targets for GRPO against SFT (`spec`: `accuracy_gain` (sampled and greedy, each with
+    its interval above 0), `easy_tool_rate_ratio` (easy-item tool rate after <= ratio x before,
+    greedy and sampled), `hard_tool_rate_min` (hard items' tool rate after, both)); greedy accuracy
+    and hard accuracy must not fall. The accuracy gain is judged on the paired interval where the
+    pair was compared item by item (`paired`: `eval.intervals.paired_accuracy` per `{after} -
+    {before}`; Tango's score interval for greedy, the bootstrap over items for sampled), else on
+    Newcombe's. `met` is None where an evaluation or a value is missing."""
     if not spec:
         return []
     bs, as_ = f"{before}_sampled", f"{after}_sampled"
@@ -96,10 +99,19 @@ def effect_checks(evals: Mapping[str, Mapping], diffs: Mapping[str, Mapping], sp
         out.append({"name": name, "met": met, "detail": detail})
 
     gain = float(spec.get("accuracy_gain", 0.05))
-    d = sampled.get("accuracy") or {}
-    ok = None if d.get("diff") is None or d.get("ci95") is None else bool(d["diff"] >= gain and d["ci95"][0] > 0)
-    add(f"sampled accuracy {as_} >= {bs} + {100 * gain:.0f} pts, interval above 0", ok,
-        f"{fmt_diff(d.get('diff'), d.get('ci95'))}")
+    for label, b, a, pair in (("sampled", bs, as_, sampled), ("greedy", before, after, greedy)):
+        cell = ((paired or {}).get(f"{a} - {b}") or {}).get("groups", {}).get("all")
+        if cell:
+            diff, ci = cell["diff"], cell["paired_ci95"]
+            how = f"paired interval, {cell['n_items']} items"
+            if "mcnemar_p" in cell:
+                how += f", McNemar p = {fmt_p(cell['mcnemar_p'])}"
+        else:
+            d = pair.get("accuracy") or {}
+            diff, ci, how = d.get("diff"), d.get("ci95"), "Newcombe's interval"
+        ok = None if diff is None or ci is None else bool(diff >= gain and ci[0] > 0)
+        add(f"{label} accuracy {a} >= {b} + {100 * gain:.0f} pts, interval above 0", ok,
+            f"{fmt_diff(diff, ci)} ({how})")
     for pair, label in ((greedy, "greedy"), (sampled, "sampled")):
         for key in ("accuracy", "accuracy, hard"):
             d = pair.get(key) or {}

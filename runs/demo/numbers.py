@@ -1,5 +1,6 @@
 """How the demo's report writes numbers: rates as percentages with their 95% interval, differences
-in percentage points, a value that was not measured (NaN: no code ran) as "n/a"."""
+and their intervals in percentage points, p-values, a value that was not measured (NaN: no code
+ran) as "n/a"."""
 
 from __future__ import annotations
 
@@ -47,12 +48,27 @@ def fmt_ci(metric: str, v, ci) -> str:
         return text
     return f"{text} [{100 * c[0]:.1f}, {100 * c[1]:.1f}]"
 
+def fmt_interval(ci) -> str:
+    """An interval of a difference in percentage points, `[+1.2, +13.8] *` (`*`: it excludes 0);
+    "n/a" without one."""
+    c = to_interval(ci)
+    if c is None:
+        return "n/a"
+    star = " *" if c[0] > 0 or c[1] < 0 else ""
+    return f"[{100 * c[0]:+.1f}, {100 * c[1]:+.1f}]{star}"
+
 def fmt_diff(d, ci) -> str:
     """A difference in percentage points with its interval; `*` when the interval excludes 0."""
-    d, c = to_float(d), to_interval(ci)
+    d = to_float(d)
     if d is None:
         return "n/a"
-    if c is None:
+    if to_interval(ci) is None:
         return f"{100 * d:+.1f} pts"
-    star = " *" if c[0] > 0 or c[1] < 0 else ""
-    return f"{100 * d:+.1f} pts [{100 * c[0]:+.1f}, {100 * c[1]:+.1f}]{star}"
+    return f"{100 * d:+.1f} pts {fmt_interval(ci)}"
+
+def fmt_p(p) -> str:
+    """A p-value: three decimals, or two significant digits below 0.001; "n/a" without one."""
+    f = to_float(p)
+    if f is None:
+        return "n/a"
+    return f"{f:.3f}" if f >= 0.001 else f"{f:.1e}"

@@ -20,6 +20,10 @@ dict's order. Rates are printed as percentages with their interval in brackets, 
 not measured (NaN: no code ran) as "n/a". Pairs of evaluations (`before` -> `after`, and
 `{before}_sampled` -> `{after}_sampled` when both exist) get a table of differences with
 Newcombe's interval (`eval.intervals.difference`), a difference whose interval excludes 0 marked.
+Where both evaluations' records are in `eval_trajectories`, each pair's accuracy is also compared
+item by item (`eval.intervals.paired_accuracy`, items matched by id), overall and per family x
+difficulty: greedy with McNemar's exact p and Tango's score interval, sampled with a bootstrap over
+items, Newcombe's interval beside them (summary.json: `paired_accuracy`).
 
 Targets: each key is `{scope}_{metric}` (`overall_accuracy`, `hard_accuracy`, `count_tool_rate`:
 the scope is matched against the breakdown values) or a summary key itself
@@ -43,6 +47,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from eval import tool_analytics
+from eval.intervals import paired_accuracy
 from eval.report import CSS as EVAL_CSS
 from runs.demo import tables
 from runs.demo.checks import adaptive_checks, check_targets, effect_checks, targets_table, verdict
@@ -72,6 +77,12 @@ INTERVALS_NOTE = ("Wilson score intervals; a sampled evaluation's k draws of one
                   "executions, count as one cluster (effective sample size by Kish's design effect).")
 DIFF_NOTE = ("After minus before, in percentage points, with Newcombe's hybrid score interval (conservative on "
              "the same items); * marks a difference whose interval excludes 0.")
+PAIRED_NOTE = ("Accuracy on the items both evaluations share (matched by id), after minus before in percentage "
+               "points. Greedy: b items right only after, c right only before; McNemar's exact test of b against "
+               "c, and Tango's score interval of (b - c) / items. Sampled: mean per-item accuracy (share of "
+               "correct draws), its interval from a bootstrap over items (2000 resamples, fixed seed, "
+               "percentile). Newcombe's interval (as if the evaluations were independent: conservative) "
+               "beside them; * marks an interval that excludes 0.")
 TOOL_NOTE = ("Read from each executed cell's AST (eval.tool_analytics): trajectories with at least one executed "
              "cell, cells, distinct calls per cell, the share of cells showing each behaviour, the share using a "
              "call never seen in the SFT data, and the commonest set of libraries per trajectory.")
@@ -135,6 +146,7 @@ class Findings:
     target_results: dict  # check_targets'
     checks: list[dict]  # adaptive_checks', greedy pair then sampled pair
     diffs: dict[str, dict]  # {"{after} - {before}": differences(...)}
+    paired: dict[str, dict]  # {"{after} - {before}": eval.intervals.paired_accuracy(...)}, where records exist
     effects: list[dict]  # effect_checks'
     tool_use: dict  # tool_use_analytics'
     steps: list[dict]  # step_rates'
@@ -173,13 +185,21 @@ def gather(out_dir: str, *, evals: dict[str, dict], eval_trajectories: Mapping[s
     for b, a in pairs[1:]:  # the sampled pair: the policy the reward acts on
         checks += adaptive_checks(evals, b, a, hard_tool_rate_min)
     diffs = {f"{a} - {b}": tables.differences(evals, b, a) for b, a in pairs}
+    paired = {}
+    for b, a in pairs:  # item by item, where both evaluations' records were saved
+        pb, pa = (eval_trajectories or {}).get(b), (eval_trajectories or {}).get(a)
+        if pb and pa and os.path.isfile(pb) and os.path.isfile(pa):
+            paired[f"{a} - {b}"] = paired_accuracy(
+                tool_analytics.read_records(pb), tool_analytics.read_records(pa), tables.breakdown_keys(evals),
+                sampled=b == f"{before}_sampled")
 
     def rel(p):
         return None if p is None else os.path.relpath(p, out_dir).replace(os.sep, "/")
 
     return Findings(
         title=title, evals=evals, targets=dict(targets or {}), target_results=check_targets(evals, targets),
-        checks=checks, diffs=diffs, effects=effect_checks(evals, diffs, effect_targets, before, after),
+        checks=checks, diffs=diffs, paired=paired,
+        effects=effect_checks(evals, diffs, effect_targets, before, after, paired),
         tool_use=tools, steps=steps, drift=list(drift or []), timings={str(k): v for k, v in (timings or {}).items()},
         world=dict(world or {}),
         final_train={"sft": dict(sft_metrics[-1]) if sft_metrics else None,
@@ -198,6 +218,7 @@ def summary_json(f: Findings) -> dict:
                     "all_met": {n: all(r["met"] for r in res.values()) for n, res in f.target_results.items()}},
         "adaptive_checks": f.checks,
         "differences": f.diffs,
+        "paired_accuracy": f.paired,
         "effect_checks": f.effects,
         "intervals": INTERVALS_NOTE,
         "tool_use": {"evals": f.tool_use["evals"], "grpo_curves": f.tool_use["curves"],
@@ -263,8 +284,19 @@ def build_report(f: Findings, examples: str = "") -> Report:
                  Paragraph(RATES_NOTE + INTERVALS_NOTE, note=True)]
     sections = [Section("Evaluations", eval_rows)]
     if f.diffs:
-        sections.append(Section("Changes", [Paragraph(DIFF_NOTE, note=True),
-                                            Table(*tables.differences_table(f.diffs))]))
+        changes: list[Block] = [Paragraph(DIFF_NOTE, note=True), Table(*tables.differences_table(f.diffs))]
+        if f.paired:
+            changes.append(Paragraph(PAIRED_NOTE, note=True))
+        for label, p in f.paired.items():
+            after_name, _, before_name = label.partition(" - ")
+            blocks: list[Block] = [Table(*tables.paired_table(p, before_name, after_name))]
+            if p["before_only"] or p["after_only"]:
+                blocks.append(Paragraph(f"Left out: {p['before_only']} items evaluated only by {before_name}, "
+                                        f"{p['after_only']} only by {after_name}.", note=True))
+            kind = "sampled" if p["sampled"] else "greedy"
+            changes.append(Section(f"Accuracy item by item, {kind}: {label}",
+                                   [Paragraph(f"{p['method']}.", note=True)] + blocks))
+        sections.append(Section("Changes", changes))
     if tables.breakdown_prefixes(evals):
         breakdown = [Section(title, [Table(*tables.rate_breakdown_table(evals, m))])
                      for m, title in tables.BREAKDOWN_RATES]

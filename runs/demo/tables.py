@@ -3,7 +3,8 @@
 `codedance_jax.rl.scoring.summarize` keys: `accuracy`, `family=count/accuracy`,
 `difficulty=hard/tool_rate`, `family=count,difficulty=hard/accuracy`, ..., with `{key}_ci95`
 intervals where `eval.intervals.rate_intervals` added them. Families and difficulties are listed in
-a fixed order (`FAMILY_ORDER`, `DIFFICULTY_ORDER`), any others after them, sorted.
+a fixed order (`FAMILY_ORDER`, `DIFFICULTY_ORDER`), any others after them, sorted. The paired
+accuracy tables read `eval.intervals.paired_accuracy` results (groups under the same names).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from eval import tool_analytics
 from eval.intervals import difference
-from runs.demo.numbers import fmt_ci, fmt_diff, fmt_metric, to_float, to_interval
+from runs.demo.numbers import fmt_ci, fmt_diff, fmt_interval, fmt_metric, fmt_p, to_float, to_interval
 
 FAMILY_ORDER = ("count", "bars", "find")
 DIFFICULTY_ORDER = ("easy", "hard")
@@ -127,6 +128,36 @@ def comparison_pairs(evals: Mapping[str, Mapping], before: str, after: str) -> l
     """(before, after) pairs present: greedy, then sampled."""
     pairs = [(before, after), (f"{before}_sampled", f"{after}_sampled")]
     return [(b, a) for b, a in pairs if b in evals and a in evals]
+
+
+def breakdown_keys(evals: Mapping[str, Mapping]) -> tuple[str, ...]:
+    """The metadata keys the summaries break down by (`family`, `difficulty`), for grouping
+    per-item comparisons the same way."""
+    fams, diffs = _groups(evals)
+    return tuple(k for k, vals in (("family", fams), ("difficulty", diffs)) if vals)
+
+
+def paired_table(paired: Mapping, before: str, after: str) -> Rows:
+    """One `eval.intervals.paired_accuracy` result as rows: all items, then family x difficulty,
+    then each difficulty; columns: items, both accuracies, the difference, the paired interval,
+    (greedy) the discordant counts b / c and McNemar's exact p, and Newcombe's interval."""
+    groups = paired.get("groups") or {}
+    greedy = any("mcnemar_p" in g for g in groups.values())
+    header = ["family", "difficulty", "items", before, after, "difference",
+              "paired 95% interval" + ("" if greedy else " (bootstrap)")]
+    header += (["b / c", "McNemar p"] if greedy else []) + ["Newcombe 95% interval"]
+    order = [("all", "all", "all")] + breakdown_prefixes({"": {f"{g}/n": 1 for g in groups if g != "all"}})
+    rows = []
+    for fam, diff, g in order:
+        cell = groups.get(g)
+        if not cell:
+            continue
+        row = [fam, diff, str(cell["n_items"]), fmt_metric("accuracy", cell["before"]),
+               fmt_metric("accuracy", cell["after"]), fmt_diff(cell["diff"], None), fmt_interval(cell["paired_ci95"])]
+        if greedy:
+            row += [f"{cell['b']} / {cell['c']}", fmt_p(cell["mcnemar_p"])]
+        rows.append(row + [fmt_interval(cell["newcombe_ci95"])])
+    return header, rows
 
 
 def differences_table(diffs: Mapping[str, Mapping]) -> Rows:

@@ -241,18 +241,22 @@ def test_lookup():
 
 def test_intervals_differences_and_sampled_pairs(tmp_path):
     """Every rate carries its 95% interval in both reports; greedy and sampled pairs get a differences
-    table (Newcombe) and their own adaptive checks."""
-    from eval.intervals import difference, rate_intervals
+    table (Newcombe), a paired accuracy table item by item (McNemar and Tango greedy, the bootstrap
+    sampled, Newcombe beside them) and their own adaptive checks."""
+    from eval.intervals import bootstrap_difference, difference, mcnemar_exact, rate_intervals, tango_interval
+    from runs.demo.numbers import fmt_interval, fmt_p
 
     rng = np.random.default_rng()
-    evals, paths = {}, {}
+    evals, paths, trajs_of = {}, {}, {}
     for name in ("sft", "sft_sampled", "grpo", "grpo_sampled"):
-        trajs = _trajectories(rng, n_per_group=4)
+        k = 3 if name.endswith("_sampled") else 1  # a sampled evaluation: k draws of every item
+        trajs = [t for _ in range(k) for t in _trajectories(rng, n_per_group=4)]
         metas = [t.meta for t in trajs]
         s = summarize(trajs, [float(t.correct) for t in trajs], metas, ("family", "difficulty"))
         evals[name] = {**s, **rate_intervals(trajs, metas, ("family", "difficulty")),
-                       "samples_per_item": 1}
+                       "samples_per_item": k}
         paths[name] = save_jsonl(trajs, tmp_path / "work" / name)
+        trajs_of[name] = trajs
     out = tmp_path / "report"
     write_report(str(out), evals=evals, eval_trajectories=paths, sft_metrics=[], grpo_metrics=[])
 
@@ -286,6 +290,55 @@ def test_intervals_differences_and_sampled_pairs(tmp_path):
     assert len(summary["adaptive_checks"]) == 4
     assert "grpo_sampled does not lower accuracy vs sft_sampled" in md
     assert summary["evals"]["grpo"]["accuracy_ci95"] == pytest.approx(evals["grpo"]["accuracy_ci95"])
+
+    # Accuracy item by item: summary.json's numbers from the records, and both tables in both files.
+    paired = summary["paired_accuracy"]
+    assert list(paired) == ["grpo - sft", "grpo_sampled - sft_sampled"]
+    right = {name: {} for name in trajs_of}
+    for name, trajs in trajs_of.items():
+        for t in trajs:
+            right[name].setdefault(t.prompt_id, []).append(float(t.correct))
+    ids = list(right["sft"])
+    greedy = paired["grpo - sft"]
+    assert (greedy["sampled"], greedy["n_items"], greedy["before_only"], greedy["after_only"]) == (False, 24, 0, 0)
+    for g, cell_ids in (("all", ids), ("family=bars,difficulty=hard", [i for i in ids if i.startswith("bars-hard")])):
+        cell = greedy["groups"][g]
+        b = sum(right["grpo"][i][0] > right["sft"][i][0] for i in cell_ids)
+        c = sum(right["grpo"][i][0] < right["sft"][i][0] for i in cell_ids)
+        assert (cell["n_items"], cell["b"], cell["c"]) == (len(cell_ids), b, c)
+        assert cell["mcnemar_p"] == mcnemar_exact(b, c)
+        assert cell["paired_ci95"] == pytest.approx(list(tango_interval(b, c, len(cell_ids))))
+        key = "accuracy" if g == "all" else f"{g}/accuracy"
+        # Newcombe's interval from the records is the one from the summaries' Wilson intervals.
+        want = difference(evals["sft"][key], evals["sft"][f"{key}_ci95"], evals["grpo"][key], evals["grpo"][f"{key}_ci95"])
+        assert cell["newcombe_ci95"] == pytest.approx(list(want))
+        assert cell["diff"] == pytest.approx(evals["grpo"][key] - evals["sft"][key])
+    sampled = paired["grpo_sampled - sft_sampled"]
+    assert sampled["sampled"] and "mcnemar_p" not in sampled["groups"]["all"]
+    sids = list(right["sft_sampled"])
+    acc_b = [np.mean(right["sft_sampled"][i]) for i in sids]
+    acc_a = [np.mean(right["grpo_sampled"][i]) for i in sids]
+    cell = sampled["groups"]["all"]
+    assert cell["paired_ci95"] == pytest.approx(list(bootstrap_difference(acc_b, acc_a, 2000, 0)))
+    b, a = evals["sft_sampled"], evals["grpo_sampled"]
+    assert cell["diff"] == pytest.approx(a["accuracy"] - b["accuracy"])
+    assert cell["newcombe_ci95"] == pytest.approx(summary["differences"]["grpo_sampled - sft_sampled"]["accuracy"]["ci95"])
+
+    section = md.split("### Accuracy item by item, greedy: grpo - sft")[1].split("###")[0]
+    assert ("| family | difficulty | items | sft | grpo | difference | paired 95% interval | b / c | McNemar p "
+            "| Newcombe 95% interval |") in section
+    cell = greedy["groups"]["family=bars,difficulty=hard"]
+    row = next(line for line in section.splitlines() if line.startswith("| bars | hard |"))
+    assert row.split(" | ")[2:] == [
+        "4", fmt_metric("accuracy", cell["before"]), fmt_metric("accuracy", cell["after"]),
+        f"{100 * cell['diff']:+.1f} pts", fmt_interval(cell["paired_ci95"]), f"{cell['b']} / {cell['c']}",
+        fmt_p(cell["mcnemar_p"]), fmt_interval(cell["newcombe_ci95"]) + " |"]
+    section = md.split("### Accuracy item by item, sampled: grpo_sampled - sft_sampled")[1].split("##")[0]
+    assert "McNemar" not in section.split("|", 1)[1] and "paired 95% interval (bootstrap)" in section
+    row = next(line for line in section.splitlines() if line.startswith("| all | all | 24 |"))
+    assert fmt_interval(sampled["groups"]["all"]["paired_ci95"]) in row
+    assert fmt_interval(sampled["groups"]["all"]["newcombe_ci95"]) in row
+    assert "Accuracy item by item, greedy: grpo - sft</h3>" in page and "<th>McNemar p</th>" in page
 
 
 def test_tool_use_section(demo):
@@ -385,6 +438,7 @@ def test_effect_checks_grpo_against_sft(tmp_path):
     got = {c["name"]: c["met"] for c in s["effect_checks"]}
     assert got["sampled accuracy grpo_sampled >= sft_sampled + 5 pts, interval above 0"] is True
     assert got["greedy accuracy does not fall"] is False  # 10 points lower, honestly NOT met
+    assert got["greedy accuracy grpo >= sft + 5 pts, interval above 0"] is False  # no records: Newcombe's
     assert got["sampled accuracy, hard does not fall"] is True
     assert got["greedy easy-item tool-call rate grpo <= 0.5 x sft"] is True
     assert got["sampled easy-item tool-call rate grpo_sampled <= 0.5 x sft_sampled"] is True
@@ -405,3 +459,38 @@ def test_effect_checks_grpo_against_sft(tmp_path):
     write_report(str(tmp_path), evals=evals, eval_trajectories={}, sft_metrics=[], grpo_metrics=[], effect_targets=spec)
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["effect_checks"][0]["met"] is None
+
+
+def test_greedy_gain_judged_on_the_paired_interval(tmp_path):
+    """+5 points on 120 items, 6 items gained and none lost: Newcombe's interval reaches below 0, the
+    paired (Tango) one does not, and the greedy gain target reads the paired one where the records are."""
+    from eval.intervals import mcnemar_exact, tango_interval, wilson
+
+    rng = np.random.default_rng()
+    n, base = 120, int(rng.integers(70, 90))
+    order = rng.permutation(n)
+    right = {"sft": set(order[:base].tolist()), "grpo": set(order[:base + 6].tolist())}
+    evals, paths = {}, {}
+    for name, ok in right.items():
+        recs = [{"prompt_id": f"q{i}", "correct": i in ok, "turn_status": [],
+                 "meta": {"family": "count", "difficulty": "easy" if i % 2 else "hard"}} for i in range(n)]
+        paths[name] = tmp_path / f"{name}.jsonl"
+        paths[name].write_text("".join(json.dumps(r) + "\n" for r in rng.permutation(recs)))  # order: irrelevant
+        evals[name] = {"accuracy": len(ok) / n, "accuracy_ci95": list(wilson(len(ok), n)), "n": n}
+    name = "greedy accuracy grpo >= sft + 5 pts, interval above 0"
+    write_report(str(tmp_path / "r"), evals=evals, eval_trajectories={k: str(v) for k, v in paths.items()},
+                 sft_metrics=[], grpo_metrics=[], effect_targets={"accuracy_gain": 0.05})
+    s = json.loads((tmp_path / "r" / "summary.json").read_text())
+    cell = s["paired_accuracy"]["grpo - sft"]["groups"]["all"]
+    assert (cell["b"], cell["c"], cell["diff"]) == (6, 0, pytest.approx(0.05))
+    assert cell["mcnemar_p"] == pytest.approx(mcnemar_exact(6, 0)) and cell["paired_ci95"][0] > 0
+    assert cell["paired_ci95"] == pytest.approx(list(tango_interval(6, 0, n)))
+    assert cell["newcombe_ci95"][0] < 0 and s["differences"]["grpo - sft"]["accuracy"]["excludes_0"] is False
+    check = next(c for c in s["effect_checks"] if c["name"] == name)
+    assert check["met"] is True and "McNemar p = 0.031" in check["detail"]
+    # Without the records only the summaries' Newcombe interval is left: not enough.
+    write_report(str(tmp_path / "r"), evals=evals, eval_trajectories={}, sft_metrics=[], grpo_metrics=[],
+                 effect_targets={"accuracy_gain": 0.05})
+    s = json.loads((tmp_path / "r" / "summary.json").read_text())
+    check = next(c for c in s["effect_checks"] if c["name"] == name)
+    assert check["met"] is False and "Newcombe" in check["detail"] and s["paired_accuracy"] == {}

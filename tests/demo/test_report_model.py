@@ -121,15 +121,27 @@ def test_demo_report_says_the_same_in_both(tmp_path):
     drift = [{"step": k, "kl_k3": float(rng.random()), "kl_k1": float(rng.random()), "tokens": 100 * k,
               "trajectories": 8} for k in (1, 2)]
     sft = [{"step": k, "loss": float(rng.random())} for k in range(1, 6)]
-    f = gather(str(tmp_path), evals=evals, sft_metrics=sft, grpo_metrics=[], drift=drift,
+    paths = {}  # per-item records (the paired accuracy table); items q0..q{n-1}, so some lack a pair
+    for name, s in evals.items():
+        paths[name] = str(tmp_path / f"{name}.jsonl")
+        with open(paths[name], "w") as fh:
+            fh.writelines(json.dumps({"prompt_id": f"q{i}", "correct": bool(rng.random() < 0.6),
+                                      "meta": {"difficulty": "easy" if i % 2 else "hard"}}) + "\n"
+                          for i in range(s["n"]))
+    f = gather(str(tmp_path), evals=evals, sft_metrics=sft, grpo_metrics=[], drift=drift, eval_trajectories=paths,
                targets={"hard_accuracy": 0.5}, effect_targets={"accuracy_gain": 0.05},
                timings={"sft": float(rng.uniform(1, 100))}, world={"families": "count", "n_train": 120},
                title=f"Demo {EVIL}")
     report = build_report(f, examples="<p>examples</p>")
     md, page = to_markdown(report), to_html(report)
-    assert assert_same_content(report, md, page) >= 8  # evals, changes, 2 breakdowns, targets, drift, timings, world
+    # evals, changes, paired accuracy, 2 breakdowns, targets, drift, timings, world
+    assert assert_same_content(report, md, page) >= 9
     titles = [b.title for b in _walk(report.sections) if isinstance(b, Section)]
-    assert titles[:3] == ["Evaluations", "Changes", "By family and difficulty"] and "Example trajectories" in titles
+    assert titles[:4] == ["Evaluations", "Changes", "Accuracy item by item, greedy: grpo - sft",
+                          "By family and difficulty"] and "Example trajectories" in titles
+    nb, na = evals["sft"]["n"], evals["grpo"]["n"]
+    left_out = f"Left out: {max(0, nb - na)} items evaluated only by sft, {max(0, na - nb)} only by grpo."
+    assert (left_out in md) == (nb != na) and "<th>McNemar p</th>" in page
     figures = [b.path for b in _walk(report.sections) if isinstance(b, Figure)]
     assert figures == ["plots/sft_loss.png"] and (tmp_path / "plots" / "sft_loss.png").is_file()
     for t in f.no_data:
