@@ -4,10 +4,16 @@
 `a_tok[b, t] = a_seq[b] + a_turn[b, turn_ids[b, t]]`, aggregated per sequence then over sequences
 (eq. 3: 1/G Σ_i 1/|τ_i| Σ_t), or per token (DAPO-style token mean) as an option.
 
-Departures from textbook GRPO, all config switches:
+Departures from textbook GRPO, all config switches (the defaults are the paper's eq. 3):
 - no KL term by default (the paper omits it); `kl_coef > 0` adds the k3 estimator to a frozen
   reference, `exp(ref − lp) − (ref − lp) − 1`, clamped as verl's `low_var_kl` does;
-- asymmetric "clip-higher" (DAPO): `clip_eps_low` / `clip_eps_high` override ε on either side;
+- asymmetric "clip-higher" (DAPO, Yu et al. 2025): `clip_eps_low` / `clip_eps_high` override ε on
+  either side;
+- the normaliser (`aggregation`): per sequence length (eq. 3), one token mean over the batch (DAPO),
+  or a constant L for every sequence (`seq_sum_norm`, Dr. GRPO, Liu et al. 2025: 1/G Σ_i 1/L Σ_t);
+- the importance ratio (`ratio`): per token (eq. 3), or GSPO's (Zheng et al. 2025) sequence ratio
+  s_i = exp(1/|y_i| Σ_t log π/π_old) in its token form s_{i,t} = sg[s_i]·π(y_t)/sg[π(y_t)], so each
+  token keeps its own advantage (R_BAT's A_seq + A_turn of its turn) and the clip is on s_i;
 - the loss is a *minimization* target: loss = −J.
 
 Micro-batching: the aggregation divides by the number of sequences (or tokens) in the arrays it is
@@ -29,6 +35,8 @@ import jax.numpy as jnp
 
 from codedance_jax.rl.registry import register_loss
 
+AGGREGATIONS = ("seq_mean", "token_mean", "seq_sum_norm")
+
 
 @dataclasses.dataclass(frozen=True)
 class GRPOLossConfig:
@@ -40,16 +48,29 @@ class GRPOLossConfig:
     """ε_low of asymmetric clipping (DAPO clip-higher); None = ε."""
     clip_eps_high: float | None = None
     """ε_high of asymmetric clipping (DAPO uses 0.28); None = ε."""
-    aggregation: Literal["seq_mean", "token_mean"] = "seq_mean"
+    aggregation: Literal["seq_mean", "token_mean", "seq_sum_norm"] = "seq_mean"
     """"seq_mean": mean over each sequence's trained tokens, then over sequences (eq. 3; with G
     sequences per prompt this is the group mean of eq. 3 averaged over prompts). "token_mean": one
-    mean over all trained tokens of the batch."""
+    mean over all trained tokens of the batch (DAPO). "seq_sum_norm": each sequence's token sum
+    divided by the constant L = `norm_length`, then the mean over sequences (Dr. GRPO: no 1/|o_i|)."""
+    norm_length: int = 0
+    """L of "seq_sum_norm": the constant normaliser (Dr. GRPO uses the generation budget; the run
+    config's default is `rollout.max_new_tokens`). Unused by the other aggregations."""
+    ratio: Literal["token", "sequence"] = "token"
+    """Importance ratio: "token" r_{i,t} = π(y_t)/π_old(y_t) (eq. 3); "sequence" GSPO's
+    s_i = (π(y_i)/π_old(y_i))^(1/|y_i|) over the sequence's trained tokens, token form (see the module
+    docstring). GSPO clips far tighter than PPO (ε_low = 3e-4, ε_high = 4e-4 in its paper)."""
     kl_coef: float = 0.0
     """β_KL: weight of the k3 KL to the reference policy (0 = off, the paper's setting)."""
 
     def __post_init__(self):
-        if self.aggregation not in ("seq_mean", "token_mean"):
-            raise ValueError(f"GRPOLossConfig.aggregation={self.aggregation!r}: expected 'seq_mean' or 'token_mean'")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"GRPOLossConfig.aggregation={self.aggregation!r}: expected one of {AGGREGATIONS}")
+        if self.aggregation == "seq_sum_norm" and self.norm_length <= 0:
+            raise ValueError(f"GRPOLossConfig.norm_length={self.norm_length}: aggregation 'seq_sum_norm' needs the "
+                             "constant L > 0 (e.g. the rollout's max_new_tokens)")
+        if self.ratio not in ("token", "sequence"):
+            raise ValueError(f"GRPOLossConfig.ratio={self.ratio!r}: expected 'token' or 'sequence'")
         if self.clip_eps <= 0:
             raise ValueError(f"GRPOLossConfig.clip_eps={self.clip_eps}: must be > 0")
 
@@ -81,7 +102,8 @@ def _aggregate(x_bt: jax.Array, mask_bt: jax.Array, cfg: GRPOLossConfig, denom) 
         n = mask_bt.sum() if denom is None else denom
         return (x_bt * mask_bt).sum() / jnp.maximum(n, 1.0)
     n_tok = mask_bt.sum(axis=1)  # [B]
-    seq_mean = (x_bt * mask_bt).sum(axis=1) / jnp.maximum(n_tok, 1.0)  # [B]
+    per_seq_norm = float(cfg.norm_length) if cfg.aggregation == "seq_sum_norm" else jnp.maximum(n_tok, 1.0)
+    seq_mean = (x_bt * mask_bt).sum(axis=1) / per_seq_norm  # [B]
     # A sequence with no trained token (e.g. padding rows) does not count as a sequence.
     n_seq = (n_tok > 0).sum() if denom is None else denom
     return seq_mean.sum() / jnp.maximum(n_seq, 1.0)
@@ -107,7 +129,7 @@ def grpo_loss(
     current, sampling and reference policies (ref may be None when kl_coef = 0); loss_mask: [B, T]
     1 on sampled tokens; turn_ids: int[B, T], −1 on tokens not trained; a_seq: [B]; a_turn: [B, M].
     entropy: optional [B, T] per-token entropy, reported as a metric only. denom: the global count
-    of sequences (seq_mean) or tokens (token_mean) when accumulating over micro-batches.
+    of sequences (seq_mean, seq_sum_norm) or tokens (token_mean) when accumulating over micro-batches.
     """
     lp = logprobs.astype(jnp.float32)  # [B, T]
     mask = (loss_mask.astype(bool) & (turn_ids >= 0)).astype(jnp.float32)  # [B, T]
@@ -116,7 +138,14 @@ def grpo_loss(
     log_ratio = lp - old_logprobs.astype(jnp.float32)  # [B, T]
     # Masked positions may hold garbage log-probs; keep exp() finite there so 0·inf never appears.
     log_ratio = jnp.where(mask > 0, log_ratio, 0.0)
-    ratio = jnp.exp(log_ratio)  # [B, T]
+    if cfg.ratio == "sequence":
+        # GSPO-token: value s_i = exp(mean_t log ratio) on every token of sequence i; the gradient
+        # reaches token t only through its own log-prob, weighted by s_i.
+        seq_log_ratio = log_ratio.sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)  # [B]
+        lp_m = jnp.where(mask > 0, lp, 0.0)  # [B, T]: no garbage (inf − inf) on masked positions
+        ratio = jnp.exp(jax.lax.stop_gradient(seq_log_ratio)[:, None] + lp_m - jax.lax.stop_gradient(lp_m))  # [B, T]
+    else:
+        ratio = jnp.exp(log_ratio)  # [B, T]
     unclipped = -a_tok * ratio
     clipped = -a_tok * jnp.clip(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
     pg_tok = jnp.maximum(unclipped, clipped)  # [B, T]: −min(r·A, clip(r)·A)
