@@ -18,6 +18,12 @@ SPEC's [decided] points; `release` reproduces the authors' public verl fork. Dev
 bare std, which is 0/0 for a group of identical rewards) and `R_seq = 0` when a trajectory made no
 tool call (the paper's N_succ/N_total is 0/0 there).
 
+Switches beyond the two presets (all off by default, i.e. the paper's equations): A_seq without the
+std division (`seq_norm="none"`, Dr. GRPO), DAPO's overlong reward shaping (`overlong_cache`, needs
+`resp_len`), which turns enter R_turn's statistics (`turn_stats`, "all" needs `turn_valid`) and
+where its baseline comes from (`turn_baseline`: the batch, or per turn index leaving the turn's own
+trajectory out, which keeps the policy gradient's direction unbiased; benchmarks/results/rturn_bias/).
+
 What the kernel cannot see: *which* executions count as failed. That is decided on the host, per
 preset, by `turn_failed_from_execution` (the release also counts "no output" and any "Error" /
 "timeout" text in the observation), and enters the kernel through `turn_failed`.
@@ -98,6 +104,19 @@ class RBATConfig:
     singleton_group_unit: bool = False
     """Release (verl) rule for a group of one: mean 0, std 1, so A_seq = r. Otherwise a group of one
     gets A_seq = 0 (no contrast)."""
+    seq_norm: Literal["std", "none"] = "std"
+    """Scale of A_seq: "std" = (r − mean_G) / (std_G + ε) (eq. 4, GRPO); "none" = r − mean_G (Dr. GRPO,
+    Liu et al. 2025, "Understanding R1-Zero-Like Training": dividing by std_G up-weights the groups
+    whose rewards barely differ, i.e. questions too easy or too hard)."""
+
+    # --- overlong reward shaping (DAPO, Yu et al. 2025, eq. 13) -------------------------------
+    overlong_cache: int = 0
+    """L_cache: DAPO's soft overlong punishment over the last L_cache tokens of the budget, added to
+    the sequence reward r(τ) (so A_seq sees it; μ_acc does not): R_length = 0 for |y| ≤ L_max − L_cache,
+    ((L_max − L_cache) − |y|) / L_cache up to |y| = L_max (−1 there), −1 beyond. |y| = the trajectory's
+    sampled tokens (`resp_len`). 0 = off (the paper)."""
+    overlong_max: int = 0
+    """L_max of the overlong shaping (the run config's default: rollout.max_new_tokens)."""
 
     # --- turn level: r^m, R^m = r^m + β R^{m+1}, A_turn^m (eq. 2) --------------------------------
     fail_penalty: float = -0.5
@@ -113,6 +132,18 @@ class RBATConfig:
     """σ threshold of the "raw_if_constant" rule."""
     w_turn: float = 1.0
     """Weight of A_turn in the token advantage (paper 1; release 0.2)."""
+    turn_stats: Literal["tool", "all"] = "tool"
+    """Which turns enter R_turn's statistics and get an A_turn: "tool" = the tool-call turns (SPEC
+    [decided]; the release: its non-final steps); "all" = every turn a trajectory took, its final
+    answer turn (r = 0, R = 0) included: the paper's appendix reads "successful or no-code turns
+    receive r_turn = 0" and normalizes "the per-turn penalties" into A_turn^m (needs `turn_valid`)."""
+    turn_baseline: Literal["batch", "turn_loo"] = "batch"
+    """Where μ and σ of A_turn^m = (R^m − μ)/σ come from: "batch" = one mean and std over the selected
+    turns of the global batch (eq. 2); "turn_loo" = per turn index m, over the *other* trajectories'
+    selected turns m (leave-one-out), so the baseline and the scale do not depend on the trajectory's
+    own actions and the policy gradient is unbiased in direction (benchmarks/results/rturn_bias/).
+    When fewer than 2 others or their std ≤ max(turn_std_floor, 1e-3·|fail_penalty|) (float32 noise of a
+    zero spread), R^m − μ_{-i} is used unscaled."""
 
     # --- which executions failed (host side, `turn_failed_from_execution`) -------------------
     fail_on_no_output: bool = False
@@ -135,6 +166,15 @@ class RBATConfig:
             raise ConfigError(f"RBATConfig.turn_norm={self.turn_norm!r}: expected 'eps' or 'raw_if_constant'")
         if self.seq_std_ddof not in (0, 1):
             raise ConfigError(f"RBATConfig.seq_std_ddof={self.seq_std_ddof}: expected 0 or 1")
+        if self.seq_norm not in ("std", "none"):
+            raise ConfigError(f"RBATConfig.seq_norm={self.seq_norm!r}: expected 'std' or 'none'")
+        if self.turn_stats not in ("tool", "all"):
+            raise ConfigError(f"RBATConfig.turn_stats={self.turn_stats!r}: expected 'tool' or 'all'")
+        if self.turn_baseline not in ("batch", "turn_loo"):
+            raise ConfigError(f"RBATConfig.turn_baseline={self.turn_baseline!r}: expected 'batch' or 'turn_loo'")
+        if self.overlong_cache < 0 or (self.overlong_cache and self.overlong_max <= self.overlong_cache):
+            raise ConfigError(f"RBATConfig.overlong_cache={self.overlong_cache}, overlong_max={self.overlong_max}: "
+                              "need 0 (off) or 0 < L_cache < L_max (set overlong_max to the token budget)")
 
     @classmethod
     def paper(cls, **overrides) -> RBATConfig:
@@ -208,13 +248,17 @@ def _group_normalize(r_pg: jax.Array, cfg: RBATConfig) -> jax.Array:
     g = r_pg.shape[1]
     if g == 1:
         # A group of one has no contrast: 0 (paper); verl's mean 0, std 1 keeps r itself (release).
-        return r_pg / (1.0 + cfg.seq_eps) if cfg.singleton_group_unit else jnp.zeros_like(r_pg)
+        if not cfg.singleton_group_unit:
+            return jnp.zeros_like(r_pg)
+        return r_pg if cfg.seq_norm == "none" else r_pg / (1.0 + cfg.seq_eps)
     # Shift by the group's largest reward before averaging: a group of identical rewards then
     # centers to exact zeros. Without it the float32 mean can miss by 1 ulp, and dividing by
     # std + 1e-6 turns that rounding into advantages of ~1e-2. (A max, not r_pg[:, :1]: a slice of
     # a dimension sharded over Explicit mesh axes is refused when groups span devices.)
     shifted = r_pg - r_pg.max(axis=1, keepdims=True)  # [P, G]
     centered = shifted - shifted.mean(axis=1, keepdims=True)  # [P, G]
+    if cfg.seq_norm == "none":
+        return centered
     var = (centered**2).sum(axis=1, keepdims=True) / (g - cfg.seq_std_ddof)
     return centered / (jnp.sqrt(var) + cfg.seq_eps)
 
@@ -235,16 +279,22 @@ def rbat_advantages(
     *,
     group_size: int,
     cfg: RBATConfig,
+    turn_valid: jax.Array | None = None,
+    resp_len: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Sequence and turn advantages of a global batch (SPEC §4 kernel contract).
 
     acc: float32[B] in {0, 1}; fmt_ok: bool[B]; turn_is_tool, turn_failed: bool[B, M]. B = P·G with
     the G trajectories of a prompt contiguous. Returns a_seq: float32[B] and a_turn: float32[B, M]
-    (already weighted by w_turn, 0 on non-tool turns).
+    (already weighted by w_turn, 0 on non-tool turns; with `turn_stats="all"` on every turn taken).
+    Optional inputs, needed only by switches that are off by default: turn_valid bool[B, M], the
+    turns each trajectory took (`turn_stats="all"`); resp_len float32[B], sampled tokens per
+    trajectory (`overlong_cache > 0`).
     """
     b = turn_is_tool.shape[0]
     if b % group_size:
         raise ValueError(f"batch of {b} trajectories is not a whole number of groups of {group_size}")
+    turn_valid, resp_len = _optional_inputs(acc, turn_is_tool, turn_valid, resp_len, cfg)
     body = functools.partial(_rbat_body, group_size=group_size, cfg=cfg)
     seq_sharding, turn_sharding = jax.typeof(acc).sharding, jax.typeof(turn_is_tool).sharding
     if any(t == AxisType.Explicit for t in seq_sharding.mesh.axis_types):
@@ -252,12 +302,35 @@ def rbat_advantages(
         # refused when a group spans devices; the kernel is a handful of tiny reductions, so let
         # the compiler place them (Auto axes) and hand back the inputs' batch sharding.
         body = jax.sharding.auto_axes(body, out_sharding=(seq_sharding, turn_sharding))
-    return body(acc, fmt_ok, turn_is_tool, turn_failed)
+    return body(acc, fmt_ok, turn_is_tool, turn_failed, turn_valid, resp_len)
 
 
-def _sequence_rewards(acc, fmt_ok, turn_is_tool, turn_failed, *, group_size: int, cfg: RBATConfig) -> dict:
+def _optional_inputs(acc, turn_is_tool, turn_valid, resp_len, cfg: RBATConfig):
+    """turn_valid and resp_len, required by the switches that read them, else stand-ins derived
+    from the inputs (so they keep the batch sharding)."""
+    if turn_valid is None:
+        if cfg.turn_stats == "all":
+            raise ValueError("RBATConfig.turn_stats='all' needs turn_valid (bool[B, M], the turns each trajectory "
+                             "took; scoring.score returns it)")
+        turn_valid = turn_is_tool
+    if resp_len is None:
+        if cfg.overlong_cache > 0:
+            raise ValueError("RBATConfig.overlong_cache > 0 needs resp_len (float32[B], sampled tokens per trajectory)")
+        resp_len = acc * 0.0
+    return turn_valid, resp_len
+
+
+def overlong_penalty(resp_len: jax.Array, l_max: int, l_cache: int) -> jax.Array:
+    """DAPO's soft overlong punishment (eq. 13): 0 up to L_max − L_cache tokens, then linear down to
+    −1 at L_max, −1 beyond. resp_len: [B] → float32[B]."""
+    n = resp_len.astype(jnp.float32)
+    return jnp.clip(((l_max - l_cache) - n) / l_cache, -1.0, 0.0)
+
+
+def _sequence_rewards(acc, fmt_ok, turn_is_tool, turn_failed, resp_len, *, group_size: int, cfg: RBATConfig) -> dict:
     """Per-trajectory reward parts [B]: r_acc, r_format, r_seq (R_BAT sequence term, or the
-    DeepEyes-style bonus in mode "tool_bonus"), and their sum `total` (what A_seq normalizes)."""
+    DeepEyes-style bonus in mode "tool_bonus"), r_length (DAPO overlong shaping, only when on) and
+    their sum `total` (what A_seq normalizes)."""
     b, _ = turn_is_tool.shape
     acc = acc.astype(jnp.float32)  # [B]
     correct = acc > 0
@@ -290,20 +363,25 @@ def _sequence_rewards(acc, fmt_ok, turn_is_tool, turn_failed, *, group_size: int
         # out_sharding under a mesh with Explicit axes).
         c = jnp.where(correct, cfg.tool_weight_correct, cfg.tool_weight_wrong)  # [B]
         r_seq = ((c * succ_ratio).reshape(-1, group_size) * (base - cfg.delta)).reshape(b)  # [P, G] -> [B]
-    return {"r_acc": cfg.w_acc * acc, "r_format": r_format, "r_seq": r_seq, "total": score + r_seq}
+    parts = {"r_acc": cfg.w_acc * acc, "r_format": r_format, "r_seq": r_seq, "total": score + r_seq}
+    if cfg.overlong_cache > 0:
+        parts["r_length"] = overlong_penalty(resp_len, cfg.overlong_max, cfg.overlong_cache)
+        parts["total"] = parts["total"] + parts["r_length"]
+    return parts
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "cfg"))
-def rbat_rewards(acc, fmt_ok, turn_is_tool, turn_failed, *, group_size: int, cfg: RBATConfig) -> dict:
+def rbat_rewards(acc, fmt_ok, turn_is_tool, turn_failed, *, group_size: int, cfg: RBATConfig, resp_len=None) -> dict:
     """The reward parts behind `rbat_advantages` (for logging and reports), float32[B] each."""
-    return _sequence_rewards(acc, fmt_ok, turn_is_tool, turn_failed, group_size=group_size, cfg=cfg)
+    _, resp_len = _optional_inputs(acc, turn_is_tool, turn_is_tool, resp_len, cfg)
+    return _sequence_rewards(acc, fmt_ok, turn_is_tool, turn_failed, resp_len, group_size=group_size, cfg=cfg)
 
 
-def _rbat_body(acc, fmt_ok, turn_is_tool, turn_failed, *, group_size: int, cfg: RBATConfig):
+def _rbat_body(acc, fmt_ok, turn_is_tool, turn_failed, turn_valid, resp_len, *, group_size: int, cfg: RBATConfig):
     b, m = turn_is_tool.shape
     is_tool = turn_is_tool.astype(bool)  # [B, M]
     failed = turn_failed.astype(bool) & is_tool  # [B, M]
-    r = _sequence_rewards(acc, fmt_ok, turn_is_tool, turn_failed, group_size=group_size, cfg=cfg)["total"]
+    r = _sequence_rewards(acc, fmt_ok, turn_is_tool, turn_failed, resp_len, group_size=group_size, cfg=cfg)["total"]
 
     a_seq = _group_normalize(r.reshape(-1, group_size), cfg).reshape(b)  # [B]
 
@@ -314,10 +392,14 @@ def _rbat_body(acc, fmt_ok, turn_is_tool, turn_failed, *, group_size: int, cfg: 
     # --- turn level ---
     r_turn = jnp.where(failed, cfg.fail_penalty, 0.0).astype(jnp.float32)  # [B, M]
     returns = jnp.einsum("bk,kj->bj", r_turn, jnp.asarray(_discount_matrix(m, cfg.beta)))  # [B, M]
-    w = is_tool.astype(jnp.float32)  # [B, M]
+    # The turns with statistics and an advantage: tool turns (default), or every turn taken.
+    sel = is_tool if cfg.turn_stats == "tool" else (turn_valid.astype(bool) | is_tool)  # [B, M]
+    w = sel.astype(jnp.float32)  # [B, M]
+    if cfg.turn_baseline == "turn_loo":
+        return a_seq, cfg.w_turn * _turn_loo(returns, w, cfg) * w
     count = jnp.maximum(w.sum(), 1.0)
-    # Same exact-zero shift as in _group_normalize, by the largest tool-turn return of the batch.
-    shift = jnp.max(jnp.where(is_tool, returns, -jnp.inf))
+    # Same exact-zero shift as in _group_normalize, by the largest selected return of the batch.
+    shift = jnp.max(jnp.where(sel, returns, -jnp.inf))
     shift = jnp.where(jnp.isfinite(shift), shift, 0.0)
     shifted = returns - shift  # [B, M]
     centered = shifted - (shifted * w).sum() / count  # [B, M]
@@ -327,6 +409,27 @@ def _rbat_body(acc, fmt_ok, turn_is_tool, turn_failed, *, group_size: int, cfg: 
     else:
         a_turn = jnp.where(sigma > cfg.turn_std_floor, centered / jnp.maximum(sigma, cfg.turn_std_floor), returns)
     return a_seq, cfg.w_turn * a_turn * w
+
+
+def _turn_loo(returns: jax.Array, w: jax.Array, cfg: RBATConfig) -> jax.Array:
+    """(R^m_i − μ^m_{-i}) / σ^m_{-i}: mean and population std of turn m's returns over the other
+    selected trajectories (w = 1) of the batch. Nothing of trajectory i enters its own baseline or
+    scale, so E[∇log π(a_i) Â_i] = E[1/σ_{-i}]·E[∇log π(a_i) R_i]: the true gradient, rescaled."""
+    # Shift each turn index by its largest selected return: equal returns become exact zeros, so a
+    # zero spread of the others sums to exactly 0 below (as in _group_normalize).
+    shift = jnp.max(jnp.where(w > 0, returns, -jnp.inf), axis=0, keepdims=True)  # [1, M]
+    shift = jnp.where(jnp.isfinite(shift), shift, 0.0)
+    x = (returns - shift) * w  # [B, M]
+    n_o = w.sum(axis=0, keepdims=True) - w  # [B, M] others at this turn index
+    s1 = x.sum(axis=0, keepdims=True) - x  # [B, M] the others' sums
+    s2 = (x**2).sum(axis=0, keepdims=True) - x**2
+    mean_o = jnp.where(n_o > 0, s1 / jnp.maximum(n_o, 1.0), -shift)  # no others: baseline 0 (unshifted)
+    sd_o = jnp.sqrt(jnp.maximum(s2 / jnp.maximum(n_o, 1.0) - mean_o**2, 0.0))  # [B, M]
+    centered = x - mean_o
+    tol = max(cfg.turn_std_floor, 1e-3 * abs(cfg.fail_penalty))
+    scaled = (n_o >= 2) & (sd_o > tol)
+    d = sd_o + cfg.turn_eps if cfg.turn_norm == "eps" else sd_o
+    return jnp.where(scaled, centered / jnp.where(scaled, d, 1.0), centered)
 
 
 register_advantage("rbat")(rbat_advantages)

@@ -34,6 +34,8 @@ class Scored:
     fmt_ok: np.ndarray  # bool[B]
     turn_is_tool: np.ndarray  # bool[B, M]
     turn_failed: np.ndarray  # bool[B, M]
+    turn_valid: np.ndarray | None = None  # bool[B, M]: the turns each trajectory took (R_turn over all turns)
+    resp_len: np.ndarray | None = None  # float32[B]: sampled tokens (DAPO's overlong shaping)
 
 
 def recorded_turns(traj) -> list[str] | None:
@@ -81,7 +83,10 @@ def score(trajs, golds: Sequence[str], processor, *, max_turns: int, cfg: RBATCo
         fmt_ok[i] = bool(turns) and check_format(turns, turn_format).ok
         t.correct = bool(acc[i] > 0)
     is_tool, failed = turn_arrays([_clean_turns(t.turns) for t in trajs], max_turns=max_turns, cfg=cfg)
-    return Scored(acc, fmt_ok, is_tool, failed)
+    n_turns = np.array([len(t.turns) for t in trajs], np.int64)
+    valid = np.arange(max_turns)[None, :] < n_turns[:, None]  # [B, M]
+    resp_len = np.array([float(np.sum(t.loss_mask)) for t in trajs], np.float32)
+    return Scored(acc, fmt_ok, is_tool, failed, valid, resp_len)
 
 
 def _summary(trajs, acc) -> dict:
