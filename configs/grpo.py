@@ -6,6 +6,16 @@ r"""GRPO run configs (paper section 5: bf16, 256 prompts x n = 8, max 6 turns; R
       --config.data.eval_jsonl=/data/rl_eval.jsonl
 
 Any field can be overridden on the command line: --config.rbat.mode=no_turn --config.group_size=4.
+
+Policy-gradient variants and recipe knobs (every default is the paper's recipe; `launch.ablate
+--variants=...` trains one row per named set of them, runs/demo/variants.py):
+  Dr. GRPO (Liu et al. 2025)  --config.rbat.seq_norm=none --config.loss.aggregation=seq_sum_norm
+  DAPO (Yu et al. 2025)       --config.loss.clip_eps_high=0.28 --config.loss.aggregation=token_mean
+                              --config.rbat.overlong_cache=... --config.filter.groups=acc
+  GSPO (Zheng et al. 2025)    --config.loss.ratio=sequence --config.loss.clip_eps_low=3e-4 --config.loss.clip_eps_high=4e-4
+  Mini-o3 masking             --config.filter.mask_truncated=True
+  R_turn baseline             --config.rbat.turn_stats=all --config.rbat.turn_baseline=turn_loo
+  difficulty filter           --config.data.filter_pass=0.0,1.0 --config.data.filter_samples=8
 """
 
 import ml_collections
@@ -41,10 +51,45 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # R_BAT (SPEC section 4): preset paper | release; mode full | no_turn | tool_bonus | outcome.
     # seq_eps / w_turn: None keeps the preset's value (paper: 1e-6 and 1; release: 1e-6 and 0.2). A larger
     # seq_eps damps groups whose rewards barely differ (A_seq = (r - mean) / (std + seq_eps)).
+    #
+    # seq_norm: A_seq = (r - mean_G) / (std_G + eps) ("std", eq. 4) or r - mean_G ("none": Dr. GRPO, Liu et al.
+    #   2025, "Understanding R1-Zero-Like Training", which drops the std that up-weights too easy/hard groups).
+    # overlong_cache / overlong_max: DAPO's (Yu et al. 2025, eq. 13) soft overlong punishment added to r(tau):
+    #   0 up to L_max - L_cache sampled tokens |y|, then ((L_max - L_cache) - |y|) / L_cache down to -1 at L_max.
+    #   L_cache = overlong_cache tokens (0 = off); L_max = overlong_max (None = rollout.max_new_tokens).
+    # turn_stats: the turns whose discounted returns R^m enter mu_batch, sigma_batch of A_turn^m = (R^m - mu)/sigma
+    #   (paper eq. 2) and get an A_turn: "tool" (SPEC [decided]) or "all" (every turn taken, the final answer turn
+    #   with r^m = 0 included: the appendix's "successful or no-code turns receive r_turn = 0").
+    # turn_baseline: mu, sigma over the batch ("batch", eq. 2) or per turn index m over the other trajectories
+    #   ("turn_loo": leave-one-out, unbiased in direction; benchmarks/results/rturn_bias/README.md).
     c.rbat = ml_collections.ConfigDict(dict(preset="paper", mode="full", gamma=4.0, delta=0.2, beta=0.2,
                                             seq_eps=ml_collections.FieldReference(None, field_type=float),
-                                            w_turn=ml_collections.FieldReference(None, field_type=float)))
-    c.loss = ml_collections.ConfigDict(dict(clip_eps=0.2, aggregation="seq_mean", kl_coef=0.0))
+                                            w_turn=ml_collections.FieldReference(None, field_type=float),
+                                            seq_norm="std", overlong_cache=0,
+                                            overlong_max=ml_collections.FieldReference(None, field_type=int),
+                                            turn_stats="tool", turn_baseline="batch"))
+    # The clipped objective (paper eq. 3; codedance_jax.rl.grpo_loss):
+    # clip_eps: epsilon, r_{i,t} clipped to [1 - eps_low, 1 + eps_high]; clip_eps_low / clip_eps_high (None = clip_eps)
+    #   decouple the two sides (DAPO's "clip-higher": eps_low 0.2, eps_high 0.28).
+    # aggregation: "seq_mean" = 1/G sum_i 1/|o_i| sum_t (eq. 3); "token_mean" = 1/sum_i |o_i| sum_i sum_t (DAPO's
+    #   token-level loss); "seq_sum_norm" = 1/G sum_i 1/L sum_t with the constant L = norm_length (Dr. GRPO; None =
+    #   rollout.max_new_tokens, the generation budget).
+    # ratio: "token" r_{i,t} = pi/pi_old per token (eq. 3); "sequence" = GSPO's (Zheng et al. 2025) length-normalized
+    #   s_i = (pi(y_i)/pi_old(y_i))^(1/|y_i|), clipped, times each token's own advantage (GSPO-token; GSPO clips at
+    #   eps_low 3e-4, eps_high 4e-4).
+    # kl_coef: beta_KL of the k3 KL to the frozen initial policy (the SFT policy given as init_from); 0 = off (paper).
+    c.loss = ml_collections.ConfigDict(dict(clip_eps=0.2,
+                                            clip_eps_low=ml_collections.FieldReference(None, field_type=float),
+                                            clip_eps_high=ml_collections.FieldReference(None, field_type=float),
+                                            aggregation="seq_mean",
+                                            norm_length=ml_collections.FieldReference(None, field_type=int),
+                                            ratio="token", kl_coef=0.0))
+    # Which trajectories train (codedance_jax.rl.selection); both counted in the metrics (filter/*):
+    # groups: DAPO's dynamic sampling: "acc" drops the groups whose accuracies are all equal (0 or G correct),
+    #   "reward" those whose sequence rewards r(tau) are all equal; dropped from the loss, not resampled ("off").
+    # mask_truncated: Mini-o3's masking: trajectories that hit the turn or token budget without an answer
+    #   (finish_reason max_turns / turn_tokens / new_tokens / length) contribute no loss.
+    c.filter = ml_collections.ConfigDict(dict(groups="off", mask_truncated=False))
     # True: the old log-probs are the trainer's (the update's own forward, as a verl recompute would give
     # with one update per batch; `logprob_mismatch` checks them against the sampler's); False: the sampler's.
     c.recompute_old_logprobs = True
@@ -66,6 +111,10 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         name="rl", eval_name="rl_eval",
         toyworld=False,  # no jsonl given: generate the toy world (data/toyworld) into WORKDIR/world
         toy_sizes=(64, 64, 48),  # (sft, rl, eval) items when the toy world is generated here
+        # Difficulty filter of the RL split (the release's filtered data): before step 1 the initial policy
+        # samples filter_samples (k) rollouts of every RL prompt; prompts whose pass rate lies strictly inside
+        # (lo, hi) = filter_pass are kept, e.g. (0.0, 1.0) = those it sometimes gets right. () = off.
+        filter_pass=(), filter_samples=8,
     ))
     c.eval = ml_collections.ConfigDict(dict(every=20, max_turns=10, limit=0, batch=64, at_start=False))
     c.metric_keys = ("difficulty",)  # prompt metadata keys to break accuracy/tool use down by

@@ -5,7 +5,8 @@ One step, each stage a function of `runs/grpo_stages.py` with a typed result:
   2. rollout: `RolloutEngine` samples prompts x group_size trajectories with the current policy,
      code runs in the `SandboxPool` (owned by a `sandbox.PoolThread`);
   3. scores and advantages: R_acc, format, per-turn execution status (`rl.scoring`), then
-     `rbat_advantages` on the global batch (jit kernel; reward parts for the logs);
+     `rbat_advantages` on the global batch (jit kernel; reward parts for the logs), and which
+     trajectories train (`config.filter`: dynamic sampling, masking of truncated ones);
   4. batch: trajectories -> the GRPO batch padded to a bucket (`train.rl_batch`);
   5. the frozen reference's log-probs when KL is on (the old policy's are the update's own forward:
      one update per batch, so a separate recompute, as verl's, would run the same forward twice);
@@ -15,6 +16,8 @@ One step, each stage a function of `runs/grpo_stages.py` with a typed result:
      checkpoint (orbax, with the step number: prompts and sampling keys follow from it). Rows are
      written before the checkpoint and a resumed run drops those past it, so a kill loses nothing
      and duplicates nothing.
+Before step 1, optionally (`config.data.filter_pass`): the difficulty filter keeps the RL prompts
+the initial policy sometimes answers correctly (`filter_prompts`).
 Setup (model, initial weights, state, checkpointer, metric writer, jit caches) is `runs.setup`'s,
 shared with SFT. Rollouts run on the training mesh's parameters (one process). With several
 processes each host rolls out its share of the prompts with a host-local copy of the parameters,
@@ -31,9 +34,10 @@ import os
 import time
 
 import jax
+import numpy as np
 
 from codedance_jax.errors import ConfigError
-from codedance_jax.rl import GRPOLossConfig, RBATConfig
+from codedance_jax.rl import GRPOLossConfig, RBATConfig, selection
 from codedance_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig
 from codedance_jax.rollout.buckets import CompileCounter
 from runs import grpo_stages as stages
@@ -48,18 +52,59 @@ log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------- config
-def rbat_config(c) -> RBATConfig:
+def rbat_config(c, *, max_new_tokens: int | None = None) -> RBATConfig:
+    """config.rbat -> RBATConfig; `max_new_tokens` (the rollout budget) is L_max of the overlong
+    shaping when `overlong_max` is None."""
     presets = {"paper": RBATConfig.paper, "release": RBATConfig.release}
     if c.preset not in presets:
         raise ConfigError(f"config.rbat.preset={c.preset!r}: choose paper (the paper's formulas) or release "
                           f"(the released code's; SPEC, R_BAT presets)")
     base = presets[c.preset]
     optional = {k: float(c[k]) for k in ("seq_eps", "w_turn") if c.get(k) is not None}  # None: the preset's
+    # Switches beyond the presets (absent from an older config: the paper's defaults).
+    optional.update({k: c[k] for k in ("seq_norm", "turn_stats", "turn_baseline") if c.get(k) is not None})
+    cache = int(c.get("overlong_cache", 0) or 0)
+    if cache:
+        l_max = c.get("overlong_max") or max_new_tokens
+        if not l_max:
+            raise ConfigError(f"config.rbat.overlong_cache={cache}: set config.rbat.overlong_max (L_max) or the "
+                              "rollout budget config.rollout.max_new_tokens")
+        optional.update(overlong_cache=cache, overlong_max=int(l_max))
     return base(mode=c.mode, gamma=float(c.gamma), delta=float(c.delta), beta=float(c.beta), **optional)
 
 
-def loss_config(c) -> GRPOLossConfig:
-    return GRPOLossConfig(clip_eps=float(c.clip_eps), aggregation=c.aggregation, kl_coef=float(c.kl_coef))
+def loss_config(c, *, max_new_tokens: int | None = None) -> GRPOLossConfig:
+    """config.loss -> GRPOLossConfig; `max_new_tokens` is Dr. GRPO's constant L when `norm_length`
+    is None."""
+    optional = {k: float(c[k]) for k in ("clip_eps_low", "clip_eps_high") if c.get(k) is not None}
+    if c.get("ratio") is not None:
+        optional["ratio"] = c.ratio
+    if c.aggregation == "seq_sum_norm":
+        length = c.get("norm_length") or max_new_tokens
+        if not length:
+            raise ConfigError("config.loss.aggregation='seq_sum_norm' needs the constant L: set "
+                              "config.loss.norm_length or config.rollout.max_new_tokens")
+        optional["norm_length"] = int(length)
+    try:
+        return GRPOLossConfig(clip_eps=float(c.clip_eps), aggregation=c.aggregation, kl_coef=float(c.kl_coef), **optional)
+    except ValueError as e:
+        raise ConfigError(f"config.loss: {e}") from None
+
+
+def filter_config(config) -> dict:
+    """config.filter and config.data.filter_pass, checked: {"groups", "mask_truncated", "filter_pass",
+    "filter_samples"} (filter_pass None = off)."""
+    f = config.get("filter") or {}
+    groups = f.get("groups", "off")
+    if groups not in selection.GROUP_FILTERS:
+        raise ConfigError(f"config.filter.groups={groups!r}: choose one of {selection.GROUP_FILTERS}")
+    band = tuple(config.data.get("filter_pass", ()) or ())
+    k = int(config.data.get("filter_samples", 8))
+    if band and (len(band) != 2 or not 0.0 <= band[0] < band[1] <= 1.0 or k < 1):
+        raise ConfigError(f"config.data.filter_pass={band}, filter_samples={k}: give (lo, hi) with 0 <= lo < hi <= 1 "
+                          "and k >= 1, e.g. --config.data.filter_pass=0.0,1.0 (or () for off)")
+    return {"groups": groups, "mask_truncated": bool(f.get("mask_truncated", False)),
+            "filter_pass": tuple(float(x) for x in band) or None, "filter_samples": k}
 
 
 def rollout_config(config, *, evaluation: bool = False) -> RolloutConfig:
@@ -111,7 +156,9 @@ def open_context(config, workdir: str, run_setup) -> tuple[GRPOContext, setup.Ru
     from sandbox import PoolThread
 
     rules, mesh = setup.sharding_rules(config), setup.make_mesh(config)
-    rb_cfg, loss_cfg = rbat_config(config.rbat), loss_config(config.loss)  # config errors before any work
+    budget = int(config.rollout.max_new_tokens)  # config errors before any work
+    rb_cfg, loss_cfg = rbat_config(config.rbat, max_new_tokens=budget), loss_config(config.loss, max_new_tokens=budget)
+    filter_config(config)
     files = prepare_files(config, workdir)
     processor = Processor.from_pretrained(files["processor_dir"], padding_side="left")
     cfg = setup.model_config(config, files["processor_dir"])
@@ -156,6 +203,66 @@ def open_context(config, workdir: str, run_setup) -> tuple[GRPOContext, setup.Ru
     return ctx, run, eval_engine, eval_prompts
 
 
+class PromptSubset:
+    """The prompt source restricted to `kept` indices (random access, as the TFDS source)."""
+
+    def __init__(self, source, kept):
+        self.source, self.kept = source, [int(i) for i in kept]
+
+    def __len__(self) -> int:
+        return len(self.kept)
+
+    def __getitem__(self, i: int):
+        return self.source[self.kept[i]]
+
+
+def filter_prompts(ctx: GRPOContext, run: setup.Run) -> GRPOContext:
+    """The difficulty filter of the RL split (`config.data.filter_pass` = (lo, hi), off when empty):
+    before step 1 the initial policy samples `filter_samples` (k) rollouts of every RL prompt
+    (`stages.pass_counts`) and the prompts with lo < passes/k < hi are kept
+    (`rl.selection.keep_by_pass_rate`); the schedule then draws from those. The result is written to
+    WORKDIR/prompt_filter.json, which a resumed run reads (its policy is no longer the initial one)."""
+    from data import rl_prompts
+
+    fc = filter_config(ctx.config)
+    if fc["filter_pass"] is None:
+        return ctx
+    (lo, hi), k = fc["filter_pass"], fc["filter_samples"]
+    path = os.path.join(ctx.workdir, "prompt_filter.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            rec = json.load(f)
+        if (rec["k"], tuple(rec["filter_pass"]), rec["num_prompts"]) != (k, (lo, hi), len(ctx.source)):
+            raise ConfigError(f"{path} was made with filter_samples={rec['k']}, filter_pass={rec['filter_pass']} "
+                              f"over {rec['num_prompts']} prompts; this run asks for {k}, {(lo, hi)} over "
+                              f"{len(ctx.source)}: use a fresh workdir or the first run's settings")
+    elif run.start > 0:
+        raise ConfigError(f"config.data.filter_pass={(lo, hi)} but the run resumes at step {run.start} without {path}: "
+                          "the filter needs the initial policy; start in a fresh workdir")
+    else:
+        t0 = time.perf_counter()
+        passes = stages.pass_counts(ctx, run, k)
+        kept = np.flatnonzero(selection.keep_by_pass_rate(passes, k, lo, hi))
+        rec = {"k": k, "filter_pass": [lo, hi], "num_prompts": len(ctx.source), "kept": kept.tolist(),
+               "passes": passes.tolist(), "time_s": time.perf_counter() - t0}
+        if ctx.host == 0:
+            with open(path, "w") as f:
+                json.dump(rec, f)
+        run.writer.write(0, {"filter/prompts_kept": float(len(kept)), "filter/prompts_total": float(len(ctx.source)),
+                             "filter/initial_pass_rate": float(np.mean(passes) / k), "filter/time_s": rec["time_s"]})
+    kept = rec["kept"]
+    msg = (f"difficulty filter: kept {len(kept)} of {rec['num_prompts']} RL prompts "
+           f"({lo} < passes/{k} < {hi} under the initial policy)")
+    log.info(msg)
+    if ctx.host == 0:
+        print(msg, flush=True)
+    if not kept:
+        raise ConfigError(f"config.data.filter_pass={(lo, hi)}: no RL prompt left ({path}); widen the band or raise "
+                          "config.data.filter_samples")
+    return dataclasses.replace(ctx, source=PromptSubset(ctx.source, kept),
+                               schedule=rl_prompts.PromptSchedule(len(kept), ctx.config.prompts_per_step, ctx.config.seed))
+
+
 def policy_path(workdir: str) -> str:
     return os.path.join(workdir, "policy")
 
@@ -188,6 +295,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     run_record.check(config, workdir, "grpo")
     with contextlib.ExitStack() as closing:  # the run's files, then the sandbox pool, closed on any exit
         ctx, run, eval_engine, eval_prompts = open_context(config, workdir, closing)
+        ctx = filter_prompts(ctx, run)
         history, last_eval, ckpt_s = [], None, 0.0
         if run.start and config.eval.every and _eval_due(config, run.start) and not _has_eval(workdir, run.start):
             # The run stopped (preempted) after this step's checkpoint and before its evaluation.

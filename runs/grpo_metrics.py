@@ -2,7 +2,8 @@
 
 Names (WORKSPACE.md, GRPO): the rollout summary (`accuracy avg_turns exec_success tool_calls
 tool_rate`, per `metric_keys` value), `reward/*` (R_BAT parts over the global batch), `a_seq_abs
-a_turn_abs groups_mixed format_ok`, `train/*`, `logprob_mismatch`, `time/*_s`, throughput and MFU.
+a_turn_abs groups_mixed format_ok`, `filter/*` (only with `config.filter` on), `train/*`,
+`logprob_mismatch`, `time/*_s`, throughput and MFU.
 `compilations`, `step_time_s`, `time/trajectories_s` (trajectories and the policy's host copy; the
 policy is written from a thread) and `time/checkpoint_s` are added by the loop; the row is written before
 the step's checkpoint, so `time/checkpoint_s` is the save after the previous step (0 after a start).
@@ -49,6 +50,7 @@ def metrics_row(sp: StepPrompts, ro: Rollouts, sc: Scores, b: GRPOBatch, up: Upd
         "groups_mixed": float(np.mean(groups.min(axis=1) != groups.max(axis=1))),
         "format_ok": float(np.mean(g["fmt_ok"])),
         **{f"train/{k}": v for k, v in up.metrics.items()},
+        **sc.counts,  # filter/* (config.filter): groups dropped, trajectories masked, trajectories trained
         "logprob_mismatch": b.logprob_mismatch if up.logprob_mismatch is None else up.logprob_mismatch,
         "time/rollout_s": ro.time_s, "time/decode_s": rstats.decode_s, "time/prefill_s": rstats.prefill_s,
         "time/append_s": rstats.append_s, "time/vision_s": rstats.vision_s,

@@ -3,7 +3,8 @@
 
     prompts  -> StepPrompts     this step's prompts (stateless schedule: a resumed run draws the same)
     rollout  -> Rollouts        prompts x group_size trajectories, code run in the sandbox pool
-    score    -> Scores          R_acc, format, per-turn execution status, R_BAT advantages (global stats)
+    score    -> Scores          R_acc, format, per-turn execution status, R_BAT advantages (global stats),
+                                the trajectories that train (`config.filter`, `rl.selection`)
     batch    -> GRPOBatch       trajectories -> the padded GRPO batch, on the mesh
     old_logprobs -> GRPOBatch   the reference's log-probs (KL on)
     update   -> Update          one jitted, sharded GRPO update; the old policy's log-probs are its
@@ -27,7 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from codedance_jax.model.config import ModelConfig
-from codedance_jax.rl import GRPOLossConfig, RBATConfig, rbat_advantages, rbat_rewards, scoring
+from codedance_jax.rl import GRPOLossConfig, RBATConfig, rbat_advantages, rbat_rewards, scoring, selection
 from codedance_jax.rollout import RolloutEngine, RolloutStats, Trajectory, rl_prompt, save_jsonl
 from runs import setup
 from codedance_jax.train import grpo, rl_batch, sft
@@ -102,6 +103,8 @@ class Scores:
     time_s: float
     # acc, fmt_ok, a_seq, a_turn of the global batch (all hosts' rows, host-major); None = the local ones
     glob: dict[str, np.ndarray] | None = None
+    keep: np.ndarray | None = None  # bool[b]: the trajectories that train (config.filter); None = all
+    counts: dict[str, float] = dataclasses.field(default_factory=dict)  # filter/* metrics (global batch)
 
 
 @dataclasses.dataclass
@@ -178,15 +181,84 @@ def score(ctx: GRPOContext, sp: StepPrompts, ro: Rollouts) -> Scores:
     sc = scoring.score(ro.trajectories, sp.golds, ctx.processor, max_turns=ctx.engine.cfg.max_turns, cfg=ctx.rbat,
                        turn_format=ctx.config.rollout.turn_format, questions=sp.questions)
     glob = [global_view(a) for a in (sc.acc, sc.fmt_ok, sc.turn_is_tool, sc.turn_failed)]
-    a_seq, a_turn = (np.asarray(x) for x in rbat_advantages(*glob, group_size=g, cfg=ctx.rbat))
-    parts = {k: np.asarray(v) for k, v in rbat_rewards(*glob, group_size=g, cfg=ctx.rbat).items()}
+    extra = {}  # inputs only the switches read (off by default)
+    if ctx.rbat.turn_stats == "all":
+        extra["turn_valid"] = global_view(sc.turn_valid)
+    if ctx.rbat.overlong_cache:
+        extra["resp_len"] = global_view(sc.resp_len)
+    a_seq, a_turn = (np.asarray(x) for x in rbat_advantages(*glob, group_size=g, cfg=ctx.rbat, **extra))
+    parts = {k: np.asarray(v) for k, v in rbat_rewards(*glob, group_size=g, cfg=ctx.rbat,
+                                                        resp_len=extra.get("resp_len")).items()}
     whole = {"acc": glob[0], "fmt_ok": glob[1], "a_seq": a_seq, "a_turn": a_turn}
+    keep, counts = trained_rows(ctx.config, glob[0], parts["total"],
+                                global_view(selection.truncated([t.finish_reason for t in ro.trajectories])), g)
     a_seq, a_turn = host_slice(a_seq, ctx.n_local), host_slice(a_turn, ctx.n_local)
     for i, t in enumerate(ro.trajectories):
         j = ctx.host * ctx.n_local + i
         t.rewards = {k: float(v[j]) for k, v in parts.items()}
         t.rewards.update(a_seq=float(a_seq[i]))
-    return Scores(sc.acc, sc.fmt_ok, a_seq, a_turn, parts, time.perf_counter() - t0, whole)
+    return Scores(sc.acc, sc.fmt_ok, a_seq, a_turn, parts, time.perf_counter() - t0, whole,
+                  None if keep is None else host_slice(keep, ctx.n_local), counts)
+
+
+def trained_rows(config, acc: np.ndarray, total: np.ndarray, truncated: np.ndarray,
+                 group_size: int) -> tuple[np.ndarray | None, dict[str, float]]:
+    """Which trajectories of the global batch train (`config.filter`; `rl.selection`), and the
+    `filter/*` counts. (None, {}) with both switches off: every trajectory trains.
+
+    acc, total: [B] accuracy and sequence reward r(τ); truncated: bool[B] (budget hit, no answer)."""
+    groups = config.get("filter", {}).get("groups", "off")
+    mask_truncated = bool(config.get("filter", {}).get("mask_truncated", False))
+    if groups == "off" and not mask_truncated:
+        return None, {}
+    keep = np.ones(len(acc), bool)
+    counts = {}
+    if groups != "off":
+        flat = selection.no_signal_groups(acc if groups == "acc" else total, group_size)
+        keep &= ~flat
+        counts["filter/groups_dropped"] = float(flat.sum() // group_size)
+    if mask_truncated:
+        keep &= ~truncated
+        counts["filter/truncated_masked"] = float(truncated.sum())
+    counts["filter/trajectories_trained"] = float(keep.sum())
+    return keep, counts
+
+
+def pass_counts(ctx: GRPOContext, run: setup.Run, k: int) -> np.ndarray:
+    """Correct answers in `k` sampled rollouts of every prompt of `ctx.source` with the run's current
+    (initial) policy: int[N], for the difficulty filter (`config.data.filter_pass`). The rollout and
+    the scoring are a GRPO step's (engine, sandbox pool, `rl.scoring`), `prompts_per_step` prompts at
+    a time; each host rolls out its contiguous share of the prompts and the counts are allgathered."""
+    from data import rl_prompts
+
+    n = len(ctx.source)
+    share = -(-n // ctx.hosts)
+    mine = list(range(ctx.host * share, min(n, (ctx.host + 1) * share)))
+    ctx.engine.set_model(rollout_model(run.mdef, run.state.params, ctx.mesh))
+    fmt = ctx.config.rollout.turn_format
+    counts = np.zeros(share, np.int32)  # this host's share, padded to equal length for the allgather
+    chunk = max(1, int(ctx.config.prompts_per_step) // ctx.hosts)
+    for start in range(0, len(mine), chunk):
+        prompts = [rl_prompts.to_prompt(ctx.source[i]) for i in mine[start : start + chunk]]
+        ps = [rl_prompt(ctx.processor, f"{p.id}@filter", p.question, p.images, fmt) for p in prompts]
+        # Sampling keys apart from the training steps' (which start at row 0).
+        offset = (1 << 30) + (ctx.host * share + start) * k
+        trajs, _ = ctx.engine.rollout(ps, group_size=k, sandbox=ctx.pool, seed_offset=offset)
+        sc = scoring.score(trajs, [p.answer for p in prompts for _ in range(k)], ctx.processor,
+                           max_turns=ctx.engine.cfg.max_turns, cfg=ctx.rbat, turn_format=fmt,
+                           questions=[p.question for p in prompts for _ in range(k)])
+        counts[start : start + len(prompts)] = (sc.acc > 0).reshape(len(prompts), k).sum(axis=1)
+    return global_view(counts)[:n]
+
+
+def untrained_rows(batch: dict[str, np.ndarray], keep: np.ndarray) -> dict[str, np.ndarray]:
+    """The GRPO batch with the rows where `keep` is False training no token (turn ids −1): they add
+    nothing to the loss nor to its sequence or token count (`train.grpo.global_denom`). The rows
+    stay (one row per trajectory), so their forward is still computed."""
+    keep = np.asarray(keep, bool)
+    if keep.shape != (batch["turn_ids"].shape[0],):
+        raise ValueError(f"keep has shape {keep.shape}; the batch has {batch['turn_ids'].shape[0]} rows")
+    return {**batch, "turn_ids": np.where(keep[:, None], batch["turn_ids"], -1).astype(np.int32)}
 
 
 def save_trajectories(ctx: GRPOContext, ro: Rollouts, step: int) -> None:
@@ -215,6 +287,8 @@ def batch(ctx: GRPOContext, ro: Rollouts, scores: Scores, step: int) -> GRPOBatc
     local = rl_batch.grpo_batch(trajs, ctx.processor, ctx.cfg, ctx.buckets, scores.a_seq, scores.a_turn,
                                 bucket=bucket, examples=exs, pack=whole, share_images=whole,
                                 row_multiple=ctx.mesh.shape["data"] * ctx.mesh.shape["fsdp"])
+    if scores.keep is not None:
+        local = untrained_rows(local, scores.keep)
     local = rl_batch.pad_rows(local, ctx.rows // ctx.hosts)
     local.pop("num_tokens", None)
     shardings = sft.batch_shardings(local, ctx.mesh, ctx.rules)
