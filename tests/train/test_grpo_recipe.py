@@ -234,3 +234,52 @@ def test_config_blocks_build_the_variants_and_default_to_the_paper():
     with pytest.raises(ConfigError, match="config.loss"):
         grpo_run.loss_config(c.loss)
     assert isinstance(c.filter, ml_collections.ConfigDict)
+
+
+# ------------------------------------------------------------------ KL to the initial policy
+def test_kl_term_uses_the_frozen_initial_policy_through_the_stage_and_update():
+    """kl_coef > 0: `stages.old_logprobs` adds the reference's log-probs (`ctx.ref_params`, which
+    `runs.grpo.open_context` sets to the parameters before any update or restore: the SFT policy of
+    init_from), and the update's `kl_ref` is the k3 estimate from them, eq. 3's per-sequence means."""
+    from model_helpers import FAST_COMPILE, tiny_small_vocab, train_batch
+
+    from codedance_jax import sharding as shd
+    from codedance_jax.train import grpo, optim, sft
+    from codedance_jax.train import state as st
+    from runs import setup
+
+    cfg = tiny_small_vocab()
+    oc = ml_collections.ConfigDict(dict(lr=1e-3, warmup_ratio=0.0, weight_decay=0.0, b1=0.9, b2=0.95, eps=1e-6,
+                                        clip_norm=0.0, schedule="constant"))
+    tx, sched = optim.make_optimizer(oc, 10)
+    mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    mdef, state, sh = st.create_train_state(cfg, tx, mesh, seed=3)
+    _, ref_state, _ = st.create_train_state(cfg, tx, mesh, seed=4)  # the "SFT" policy: other weights
+    rng = np.random.default_rng(5)
+    b = train_batch(rng, cfg, 4, 24, [[(1, 4, 4)], []])
+    lm = b["loss_mask"] > 0
+    b["turn_ids"] = np.where(lm, rng.integers(0, 2, lm.shape), -1).astype(np.int32)
+    b["a_seq"], b["a_turn"] = rng.normal(size=4).astype(np.float32), np.zeros((4, 2), np.float32)
+    b["old_logprobs"] = np.zeros(lm.shape, np.float32)
+    bsh = sft.batch_shardings(b, mesh)
+    arrays = {k: jax.device_put(v, bsh[k]) for k, v in b.items()}
+    c = grpo_configs.get_config("tiny")
+    c.loss.kl_coef = 0.1
+    ctx = stages.GRPOContext(c, "", None, cfg, mesh, None, tx, sched, RBATConfig.paper(),
+                             grpo_run.loss_config(c.loss), (), None, None, None, None, 4, None,
+                             ref_params=ref_state.params)
+    run = types.SimpleNamespace(mdef=mdef, state_sh=sh)
+    out = stages.old_logprobs(ctx, run, stages.GRPOBatch(b, arrays, bsh, setup.batch_key(b), 0.0))
+    lp_fn = grpo.make_logprob_fn(mdef, sh.params, {k: v for k, v in bsh.items() if k in sft.BATCH_FIELDS}, mesh,
+                                 compiler_options=FAST_COMPILE)
+    lp_in = {k: v for k, v in b.items() if k in sft.BATCH_FIELDS}
+    ref_lp, cur_lp = np.asarray(lp_fn(ref_state.params, lp_in)), np.asarray(lp_fn(state.params, lp_in))
+    np.testing.assert_allclose(np.asarray(out.arrays["ref_logprobs"]), ref_lp, atol=1e-6)
+    step = grpo.make_grpo_step(mdef, tx, sched, ctx.loss, sh, out.shardings, mesh, old_from_forward=True,
+                               compiler_options=FAST_COMPILE)
+    _, m = step(state, out.arrays, jax.random.key(0))
+    mask = lm & (b["turn_ids"] >= 0)
+    d = ref_lp.astype(np.float64) - cur_lp
+    k3 = np.exp(d) - d - 1
+    want = np.mean([k3[i][mask[i]].mean() for i in range(4) if mask[i].any()])
+    assert float(m["kl_ref"]) == pytest.approx(want, rel=1e-4) and want > 1e-3
