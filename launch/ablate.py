@@ -3,10 +3,15 @@ r"""Table 3 of the paper on the toy world: four reward variants from the same SF
   python -m launch.ablate --workdir=/tmp/codedance_demo           # reuses the demo's world and SFT policy
   python -m launch.ablate --workdir=DIR --modes=outcome,full --config.grpo.total_steps=20
   python -m launch.ablate --workdir=DIR --seeds=0,1,2 --presets=paper,release   # Table 3, mean ± std
+  python -m launch.ablate --workdir=DIR --modes=full --variants=drgrpo,dapo,gspo,mask_truncated,turn_loo
+  python -m launch.ablate --workdir=DIR --variants=dapo --dry_run    # print the runs and their config changes
 
 Rows: outcome-only GRPO (R_acc + R_format), DeepEyes-style tool bonus, R_BAT without R_turn, full
-R_BAT (once per `--presets` entry); each trained from the same SFT policy with the same steps, once
-per GRPO seed in `--seeds`, and evaluated on the held-out split. Prints the table (mean ± std over
+R_BAT (once per `--presets` entry), then one row per recipe variant in `--variants` (named sets of
+GRPO config overrides: Dr. GRPO, DAPO, GSPO, Mini-o3 masking, R_turn baselines, ...; the table is
+runs/demo/variants.py; with `--variants` and no `--modes`, only the variants run); each trained from
+the same SFT policy with the same steps, once per GRPO seed in `--seeds`, and evaluated on the
+held-out split. Prints the table (mean ± std over
 the seeds) and writes WORKDIR/ablation.md and ablation.json. Finished runs are reused.
 """
 
@@ -32,16 +37,44 @@ flags.DEFINE_list("presets", [], "R_BAT presets for the R_BAT rows: paper, relea
 flags.register_validator("seeds", lambda s: all(x.lstrip("-").isdigit() for x in s), "--seeds: integers, e.g. 0,1,2")
 flags.register_validator("presets", lambda p: all(x in ("paper", "release") for x in p), "--presets: paper and/or release")
 flags.register_validator("modes", _known_modes, "unknown reward variant; choose among outcome,tool_bonus,no_turn,full")
+flags.DEFINE_list("variants", [], "Recipe variants, one row each (runs/demo/variants.py): e.g. drgrpo,dapo,gspo.")
+flags.DEFINE_bool("dry_run", False, "Print the runs the ablation would train and their GRPO config changes; train nothing.")
+
+
+def _known_variants(names) -> bool:
+    from runs.demo.variants import VARIANTS
+
+    return all(n in VARIANTS for n in names)
+
+
+def _variants_help() -> str:
+    from runs.demo.variants import VARIANTS
+
+    return "unknown recipe variant; choose among " + ",".join(VARIANTS)
+
+
+flags.register_validator("variants", _known_variants, _variants_help())
 
 
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
+    f = flags.FLAGS
+    # --variants alone trains only the variants; --modes given as well adds the reward rows.
+    modes = tuple(f.modes) if f["modes"].present or not f.variants else ()
+    kw = dict(seeds=tuple(int(x) for x in f.seeds), presets=tuple(f.presets), recipe_variants=tuple(f.variants))
+    if f.dry_run:
+        import json
+
+        from runs.demo.pipeline import ablation_plan
+
+        for run in ablation_plan(f.config, f.workdir, modes, **kw):
+            print(json.dumps(run), flush=True)
+        return
     compile_cache.enable()  # re-runs and ablations reuse compiled steps (CODEDANCE_COMPILATION_CACHE=off disables)
     from runs.demo.pipeline import ablate
 
-    f = flags.FLAGS
-    ablate(f.config, f.workdir, tuple(f.modes), seeds=tuple(int(x) for x in f.seeds), presets=tuple(f.presets))
+    ablate(f.config, f.workdir, modes, **kw)
 
 
 if __name__ == "__main__":

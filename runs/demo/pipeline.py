@@ -27,7 +27,7 @@ import time
 
 import ml_collections
 
-from runs.demo import table3
+from runs.demo import table3, variants
 
 
 def _log(msg: str):
@@ -154,7 +154,8 @@ def run(c, workdir: str) -> dict:
 
     workdir = os.path.abspath(workdir)
     # Config errors before any work (nothing written yet): the reward and loss of the GRPO phase.
-    grpo_run.rbat_config(c.grpo.rbat), grpo_run.loss_config(c.grpo.loss)
+    budget = int(c.grpo.rollout.max_new_tokens)
+    grpo_run.rbat_config(c.grpo.rbat, max_new_tokens=budget), grpo_run.loss_config(c.grpo.loss, max_new_tokens=budget)
     os.makedirs(workdir, exist_ok=True)
     c = ml_collections.ConfigDict(c.to_dict())
     timings = {}
@@ -249,13 +250,71 @@ def prepare_sft(c, workdir: str) -> tuple[dict, str]:
     return world, policy
 
 
-def ablate(c, workdir: str, modes=tuple(table3.MODE_NAMES), *, seeds=(), presets=()) -> dict:
+def ablation_rows(modes=tuple(table3.MODE_NAMES), presets=(), recipe_variants=()) -> list:
+    """The ablation's rows: one per reward mode (`table3.rows`), then one per recipe variant
+    (`runs.demo.variants`)."""
+    return table3.rows(modes, presets) + variants.rows(recipe_variants)
+
+
+def ablation_config(c, workdir: str, sft_policy: str, row, seed: int | None) -> ml_collections.ConfigDict:
+    """The GRPO run config of one ablation row (a `table3.Row` or a `variants.VariantRow`) and seed."""
+    g = grpo_config(c, workdir, sft_policy, mode=row.mode)
+    if row.preset is not None:
+        g.rbat.preset = row.preset
+    if isinstance(row, variants.VariantRow):
+        variants.apply(g, row.variant)
+    if seed is not None:
+        g.seed = seed
+    return g
+
+
+def check_ablation(c, workdir: str, rows, seeds) -> None:
+    """Config errors of every run before any work: each row's reward, loss and filter blocks."""
+    from runs import grpo as grpo_run
+
+    for seed in seeds:
+        for row in rows:
+            g = ablation_config(c, workdir, os.path.join(workdir, "sft", "policy"), row, seed)
+            budget = int(g.rollout.max_new_tokens)
+            grpo_run.rbat_config(g.rbat, max_new_tokens=budget), grpo_run.loss_config(g.loss, max_new_tokens=budget)
+            grpo_run.filter_config(g)
+
+
+def ablation_plan(c, workdir: str, modes=tuple(table3.MODE_NAMES), *, seeds=(), presets=(), recipe_variants=()) -> list:
+    """What `ablate` would train, without training: per run its name, row label and the GRPO config
+    fields that differ from configs/demo.py's GRPO run (paths aside)."""
+    workdir = os.path.abspath(workdir)
+    sft_policy = os.path.join(workdir, "sft", "policy")
+    check_ablation(c, workdir, ablation_rows(modes, presets, recipe_variants), seeds or (None,))
+    base = _flat(grpo_config(c, workdir, sft_policy).to_dict())
+    plan = []
+    for seed in seeds or (None,):
+        for row in ablation_rows(modes, presets, recipe_variants):
+            g = _flat(ablation_config(c, workdir, sft_policy, row, seed).to_dict())
+            plan.append({"run": table3.run_name(row, seed), "label": row.label,
+                         "changes": {k: v for k, v in g.items() if base.get(k) != v}})
+    return plan
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def ablate(c, workdir: str, modes=tuple(table3.MODE_NAMES), *, seeds=(), presets=(), recipe_variants=()) -> dict:
     """Table 3 on the toy world: the reward variants trained from the same SFT policy with the same
     steps, each evaluated on the held-out split, greedy and (with `eval.samples` > 0) sampled.
 
     seeds: GRPO seeds (prompt order and sampling keys); each row trains once per seed and the table
     gives mean ± std over them. Empty: one run at the config's seed (`ablate/{mode}`).
     presets: R_BAT presets for the R_BAT rows (`paper`, `release`), one row each; empty: the config's.
+    recipe_variants: names in `runs.demo.variants.VARIANTS` (Dr. GRPO, DAPO, GSPO, masking, R_turn
+    baselines, ...), one row each after the modes' rows, on the config's R_BAT mode (`ablate/{name}`).
     Returns the evaluation summaries by name: `sft`, `sft_sampled`, then per run `{row}[/seed{s}]`
     and `{row}[/seed{s}]_sampled`; with seeds also `table` (per row label: mean, std, n per column)
     and `seconds` (wall time of each row's runs, training and evaluation)."""
@@ -263,7 +322,8 @@ def ablate(c, workdir: str, modes=tuple(table3.MODE_NAMES), *, seeds=(), presets
 
     workdir = os.path.abspath(workdir)
     c = ml_collections.ConfigDict(c.to_dict())
-    table_rows, seed_list = table3.rows(modes, presets), (seeds or (None,))
+    table_rows, seed_list = ablation_rows(modes, presets, recipe_variants), (seeds or (None,))
+    check_ablation(c, workdir, table_rows, seed_list)
     _, sft_policy = prepare_sft(c, workdir)
     results, seconds = {}, {}
     with _pool(c) as pool:
@@ -277,11 +337,7 @@ def ablate(c, workdir: str, modes=tuple(table3.MODE_NAMES), *, seeds=(), presets
             run_dir = os.path.join(workdir, "ablate", run)
             policy = os.path.join(run_dir, "policy")
             if not os.path.exists(os.path.join(policy, "codedance.json")):
-                g = grpo_config(c, workdir, sft_policy, mode=row.mode)
-                if row.preset is not None:
-                    g.rbat.preset = row.preset
-                if seed is not None:
-                    g.seed = seed
+                g = ablation_config(c, workdir, sft_policy, row, seed)
                 _log(f"GRPO, reward {row.key}" + ("" if seed is None else f", seed {seed}") + f": {g.total_steps} steps")
                 grpo_run.train_and_evaluate(g, run_dir)
             with _pool(c) as pool:
