@@ -60,8 +60,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # turn_stats: the turns whose discounted returns R^m enter mu_batch, sigma_batch of A_turn^m = (R^m - mu)/sigma
     #   (paper eq. 2) and get an A_turn: "tool" (SPEC [decided]) or "all" (every turn taken, the final answer turn
     #   with r^m = 0 included: the appendix's "successful or no-code turns receive r_turn = 0").
-    # turn_baseline: mu, sigma over the batch ("batch", eq. 2) or per turn index m over the other trajectories
-    #   ("turn_loo": leave-one-out, unbiased in direction; benchmarks/results/rturn_bias/README.md).
+    # turn_baseline: mu, sigma over the batch ("batch", eq. 2) or leaving the trajectory out ("turn_loo": mu per turn
+    #   index m over the other trajectories, sigma over all their turns; unbiased in direction,
+    #   benchmarks/results/rturn_bias/README.md).
     c.rbat = ml_collections.ConfigDict(dict(preset="paper", mode="full", gamma=4.0, delta=0.2, beta=0.2,
                                             seq_eps=ml_collections.FieldReference(None, field_type=float),
                                             w_turn=ml_collections.FieldReference(None, field_type=float),

@@ -139,11 +139,12 @@ class RBATConfig:
     receive r_turn = 0" and normalizes "the per-turn penalties" into A_turn^m (needs `turn_valid`)."""
     turn_baseline: Literal["batch", "turn_loo"] = "batch"
     """Where μ and σ of A_turn^m = (R^m − μ)/σ come from: "batch" = one mean and std over the selected
-    turns of the global batch (eq. 2); "turn_loo" = per turn index m, over the *other* trajectories'
-    selected turns m (leave-one-out), so the baseline and the scale do not depend on the trajectory's
-    own actions and the policy gradient is unbiased in direction (benchmarks/results/rturn_bias/).
-    When fewer than 2 others or their std ≤ max(turn_std_floor, 1e-3·|fail_penalty|) (float32 noise of a
-    zero spread), R^m − μ_{-i} is used unscaled."""
+    turns of the global batch (eq. 2); "turn_loo" = μ per turn index m over the *other* trajectories'
+    turns m, σ over all the other trajectories' selected turns (leave one trajectory out), so neither
+    depends on the trajectory's own actions and the turn-level policy gradient is unbiased in
+    direction (benchmarks/results/rturn_bias/). When the others hold fewer than 2 turns or their std
+    ≤ max(turn_std_floor, 1e-3·|fail_penalty|) (float32 noise of a zero spread), R^m − μ_{-i} is used
+    unscaled."""
 
     # --- which executions failed (host side, `turn_failed_from_execution`) -------------------
     fail_on_no_output: bool = False
@@ -412,22 +413,29 @@ def _rbat_body(acc, fmt_ok, turn_is_tool, turn_failed, turn_valid, resp_len, *, 
 
 
 def _turn_loo(returns: jax.Array, w: jax.Array, cfg: RBATConfig) -> jax.Array:
-    """(R^m_i − μ^m_{-i}) / σ^m_{-i}: mean and population std of turn m's returns over the other
-    selected trajectories (w = 1) of the batch. Nothing of trajectory i enters its own baseline or
-    scale, so E[∇log π(a_i) Â_i] = E[1/σ_{-i}]·E[∇log π(a_i) R_i]: the true gradient, rescaled."""
-    # Shift each turn index by its largest selected return: equal returns become exact zeros, so a
-    # zero spread of the others sums to exactly 0 below (as in _group_normalize).
-    shift = jnp.max(jnp.where(w > 0, returns, -jnp.inf), axis=0, keepdims=True)  # [1, M]
+    """(R^m_i − μ^m_{-i}) / σ_{-i}: μ^m_{-i} the mean of turn m's returns over the *other*
+    trajectories' selected turns m (w = 1), σ_{-i} the population std of the other trajectories'
+    selected returns over all turn indices. Nothing of trajectory i enters its own baseline or scale,
+    and the scale is one distribution for every trajectory and turn of an i.i.d. batch, so
+    E[Σ_m ∇log π(a^m_i) Â^m_i] = E[1/σ_{-i}]·E[Σ_m ∇log π(a^m_i) R^m_i]: the baseline-free turn-level
+    gradient, rescaled as a whole. (A σ per turn index would rescale each turn's share differently:
+    benchmarks/results/rturn_bias/.)"""
+    # Shift by the largest selected return: equal returns become exact zeros, so a zero spread of
+    # the others sums to exactly 0 below (as in _group_normalize).
+    shift = jnp.max(jnp.where(w > 0, returns, -jnp.inf))
     shift = jnp.where(jnp.isfinite(shift), shift, 0.0)
     x = (returns - shift) * w  # [B, M]
-    n_o = w.sum(axis=0, keepdims=True) - w  # [B, M] others at this turn index
-    s1 = x.sum(axis=0, keepdims=True) - x  # [B, M] the others' sums
-    s2 = (x**2).sum(axis=0, keepdims=True) - x**2
-    mean_o = jnp.where(n_o > 0, s1 / jnp.maximum(n_o, 1.0), -shift)  # no others: baseline 0 (unshifted)
-    sd_o = jnp.sqrt(jnp.maximum(s2 / jnp.maximum(n_o, 1.0) - mean_o**2, 0.0))  # [B, M]
-    centered = x - mean_o
+    n_o = w.sum(axis=0, keepdims=True) - w  # [B, M] other trajectories at this turn index
+    mean_o = jnp.where(n_o > 0, (x.sum(axis=0, keepdims=True) - x) / jnp.maximum(n_o, 1.0), -shift)  # none: 0
+    # The scale: the other trajectories' selected turns, all turn indices.
+    n_all = w.sum() - w.sum(axis=1, keepdims=True)  # [B, 1]
+    s1 = x.sum() - x.sum(axis=1, keepdims=True)  # [B, 1]
+    s2 = (x**2).sum() - (x**2).sum(axis=1, keepdims=True)
+    m_all = s1 / jnp.maximum(n_all, 1.0)
+    sd_o = jnp.sqrt(jnp.maximum(s2 / jnp.maximum(n_all, 1.0) - m_all**2, 0.0))  # [B, 1]
+    centered = x - mean_o  # [B, M]
     tol = max(cfg.turn_std_floor, 1e-3 * abs(cfg.fail_penalty))
-    scaled = (n_o >= 2) & (sd_o > tol)
+    scaled = (n_all >= 2) & (sd_o > tol)  # [B, 1]
     d = sd_o + cfg.turn_eps if cfg.turn_norm == "eps" else sd_o
     return jnp.where(scaled, centered / jnp.where(scaled, d, 1.0), centered)
 

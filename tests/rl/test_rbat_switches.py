@@ -4,7 +4,8 @@
 - `overlong_cache` (DAPO, Yu et al. 2025, eq. 13): R_length added to r(τ);
 - `turn_stats="all"`: μ_batch, σ_batch of A_turn^m = (R^m − μ)/(σ + ε) over every turn taken
   (the answer turn's r^m = 0 included), each such turn getting its A_turn;
-- `turn_baseline="turn_loo"`: μ, σ per turn index m over the *other* trajectories' turns m.
+- `turn_baseline="turn_loo"`: μ per turn index m over the *other* trajectories' turns m, σ over all
+  the other trajectories' turns.
 Each reference loops over trajectories and turns in float64.
 """
 
@@ -150,20 +151,23 @@ def test_turn_statistics_over_all_turns():
 
 
 def reference_turn_loo(is_tool, failed, valid, *, select_all, w_turn=1.0, eps=1e-6, norm="eps", tol=5e-4):
-    """Per turn index m: mean and population std of the other trajectories' R^m (selected turns)."""
+    """Baseline: the mean of the other trajectories' R^m at turn index m; scale: the population std
+    of the other trajectories' selected returns at every turn index."""
     R = turn_returns(is_tool, failed, valid)
     sel = valid if select_all else is_tool
     B, M = is_tool.shape
     out = np.zeros((B, M))
     for b in range(B):
+        pool = [R[j, k] for j in range(B) if j != b for k in range(M) if sel[j, k]]
+        mu = sum(pool) / len(pool) if pool else 0.0
+        sd = math.sqrt(sum((x - mu) ** 2 for x in pool) / len(pool)) if pool else 0.0
         for m in range(M):
             if not sel[b, m]:
                 continue
             others = [R[j, m] for j in range(B) if j != b and sel[j, m]]
             mean = sum(others) / len(others) if others else 0.0
-            sd = math.sqrt(sum((x - mean) ** 2 for x in others) / len(others)) if others else 0.0
             a = R[b, m] - mean
-            if len(others) >= 2 and sd > tol:
+            if len(pool) >= 2 and sd > tol:
                 a /= sd + (eps if norm == "eps" else 0.0)
             out[b, m] = w_turn * a
     return out
