@@ -114,7 +114,8 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         toy_sizes=(64, 64, 48),  # (sft, rl, eval) items when the toy world is generated here
         # Difficulty filter of the RL split (the release's filtered data): before step 1 the initial policy
         # samples filter_samples (k) rollouts of every RL prompt; prompts whose pass rate lies strictly inside
-        # (lo, hi) = filter_pass are kept, e.g. (0.0, 1.0) = those it sometimes gets right. () = off.
+        # (lo, hi) = filter_pass are kept, e.g. (0.0, 1.0) = those it sometimes gets right (a bound outside [0, 1]
+        # leaves that side open: (-1.0, 0.5) keeps the never-solved ones too). () = off.
         filter_pass=(), filter_samples=8,
     ))
     c.eval = ml_collections.ConfigDict(dict(every=20, max_turns=10, limit=0, batch=64, at_start=False))

@@ -100,9 +100,9 @@ def filter_config(config) -> dict:
         raise ConfigError(f"config.filter.groups={groups!r}: choose one of {selection.GROUP_FILTERS}")
     band = tuple(config.data.get("filter_pass", ()) or ())
     k = int(config.data.get("filter_samples", 8))
-    if band and (len(band) != 2 or not 0.0 <= band[0] < band[1] <= 1.0 or k < 1):
-        raise ConfigError(f"config.data.filter_pass={band}, filter_samples={k}: give (lo, hi) with 0 <= lo < hi <= 1 "
-                          "and k >= 1, e.g. --config.data.filter_pass=0.0,1.0 (or () for off)")
+    if band and (len(band) != 2 or not band[0] < band[1] or k < 1):
+        raise ConfigError(f"config.data.filter_pass={band}, filter_samples={k}: give (lo, hi) with lo < hi and k >= 1, "
+                          "e.g. --config.data.filter_pass=0.0,1.0 (or () for off)")
     return {"groups": groups, "mask_truncated": bool(f.get("mask_truncated", False)),
             "filter_pass": tuple(float(x) for x in band) or None, "filter_samples": k}
 

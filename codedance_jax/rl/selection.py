@@ -49,14 +49,15 @@ def keep_by_pass_rate(passes: np.ndarray, k: int, lo: float, hi: float) -> np.nd
     """bool[P]: keep prompt p when lo < passes[p] / k < hi (strict on both sides).
 
     passes: int[P], correct answers in k samples of the initial policy. (0, 1) keeps the prompts it
-    sometimes gets right: 0 < passes < k.
+    sometimes gets right: 0 < passes < k; a bound outside [0, 1] leaves that side open, e.g.
+    (−1, 0.5) keeps the never-solved prompts too.
     """
     p = np.asarray(passes)
     if k < 1:
         raise ValueError(f"k={k}: need at least one sample per prompt")
     if np.any((p < 0) | (p > k)):
         raise ValueError(f"pass counts must lie in [0, k={k}], got {p.min()}..{p.max()}")
-    if not 0.0 <= lo < hi <= 1.0:
-        raise ValueError(f"pass-rate bounds (lo={lo}, hi={hi}): need 0 <= lo < hi <= 1")
+    if not lo < hi:
+        raise ValueError(f"pass-rate bounds (lo={lo}, hi={hi}): need lo < hi")
     rate = p / k
     return (rate > lo) & (rate < hi)

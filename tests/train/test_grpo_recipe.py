@@ -108,7 +108,7 @@ def test_keep_by_pass_rate_against_the_definition():
     rng = np.random.default_rng(3)
     k = 8
     passes = rng.integers(0, k + 1, 200)
-    for lo, hi in ((0.0, 1.0), (0.1, 0.75), (0.5, 1.0)):
+    for lo, hi in ((0.0, 1.0), (0.1, 0.75), (0.5, 1.0), (-1.0, 0.5)):  # a bound outside [0, 1]: that side open
         want = [lo < p / k < hi for p in passes]
         np.testing.assert_array_equal(selection.keep_by_pass_rate(passes, k, lo, hi), want)
     np.testing.assert_array_equal(selection.keep_by_pass_rate(np.array([0, 1, 7, 8]), 8, 0.0, 1.0),
