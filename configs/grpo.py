@@ -43,6 +43,8 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.group_size = 8  # n rollouts per prompt
     c.total_steps = 100
     c.grad_accum = 16
+    # warmup_ratio: linear warm-up of the learning rate over round(warmup_ratio * total_steps) steps (0 = off, the
+    # paper's RL recipe; `train.optim.make_optimizer`, as SFT).
     c.optim = ml_collections.ConfigDict(dict(
         lr=1e-6, warmup_ratio=0.0, schedule="constant", min_lr_ratio=0.0, weight_decay=0.0,
         b1=0.9, b2=0.999, eps=1e-8, clip_norm=1.0,

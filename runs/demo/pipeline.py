@@ -282,7 +282,8 @@ def check_ablation(c, workdir: str, rows, seeds) -> None:
 
 def ablation_plan(c, workdir: str, modes=tuple(table3.MODE_NAMES), *, seeds=(), presets=(), recipe_variants=()) -> list:
     """What `ablate` would train, without training: per run its name, row label and the GRPO config
-    fields that differ from configs/demo.py's GRPO run (paths aside)."""
+    fields that differ from the ablation's GRPO config as given (`c.grpo`, with any command-line
+    overrides; paths aside)."""
     workdir = os.path.abspath(workdir)
     sft_policy = os.path.join(workdir, "sft", "policy")
     check_ablation(c, workdir, ablation_rows(modes, presets, recipe_variants), seeds or (None,))
