@@ -134,9 +134,11 @@ def test_engine_executes_what_the_format_reward_accepts(engines, processor, fmt)
         executed = t.turns[0]["code"] is not None  # the engine submits exactly the turns with code
         assert t.num_executions == int(executed)
         texts = scoring.assistant_turns(t, processor)
-        accepted = check_format(texts, fmt).ok
-        assert executed == accepted, (turns[k], check_format(texts, fmt).problems)
-        assert bool(scored.fmt_ok[k]) == accepted
+        # the call turn as the engine recorded it, judged beside a well-formed final turn (the final
+        # turns here include malformed answers, which the format reward rejects on their own)
+        call_ok = check_format([texts[0], FINAL], fmt)
+        assert executed == call_ok.ok, (turns[k], call_ok.problems)
+        assert bool(scored.fmt_ok[k]) == check_format(texts, fmt).ok
         # the answer scored is the answer the engine recorded, read from the final turn's text
         assert t.answer == turn_lib.extract_answer(texts[-1]), (t.answer, texts[-1])
         assert scored.acc[k] == answers.answer_reward(t.answer, "7")
