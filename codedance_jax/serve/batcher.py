@@ -42,13 +42,12 @@ import numpy as np
 
 from codedance_jax.model import rope
 from codedance_jax.model.generate import encode_vision, extend_arrays, vision_inputs
+from codedance_jax.protocol import END_MARKERS
 from codedance_jax.rollout import CompileCounter, RowSampling, Sampler, SamplingConfig, build_stop_table, vision_bucket
 from codedance_jax.rollout.buckets import pow2
 from codedance_jax.rollout.device_batch import DeviceBatch, merge_rows, row_bucket
 
 log = logging.getLogger(__name__)
-
-EOS_STRINGS = ("<|im_end|>", "<|endoftext|>")
 
 
 @dataclasses.dataclass
@@ -92,7 +91,7 @@ class Batcher:
         self.min_prefill, self.vision_min_units = min_prefill, vision_min_units
         cfg = model.cfg
         vocab_limit = min(len(processor.tokenizer), cfg.text.vocab_size)
-        stops = build_stop_table(processor.tokenizer, EOS_STRINGS, cfg.text.vocab_size)
+        stops = build_stop_table(processor.tokenizer, END_MARKERS, cfg.text.vocab_size)
         banned = (cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id)
         # The config's temperature / top_p are unused: every chunk passes per-row settings.
         self.sampler = Sampler(model, stops, SamplingConfig(), vocab_limit, decode_chunk, banned)
@@ -289,7 +288,7 @@ class Batcher:
     def _eos_ids(self) -> frozenset:
         if not hasattr(self, "_eos_cache"):
             tok = self.processor.tokenizer
-            self._eos_cache = frozenset(i for s in EOS_STRINGS for i in tok.encode(s))
+            self._eos_cache = frozenset(i for s in END_MARKERS for i in tok.encode(s))
         return self._eos_cache
 
     def _stream(self, q: Choice, reason: str | None):

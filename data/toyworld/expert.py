@@ -237,6 +237,7 @@ def expert_trajectory(
     easy_code_rate: float = 0.3,
     hard_direct_rate: float = 0.0,
     easy_code_families: tuple[str, ...] | None = None,
+    hard_direct_families: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
     """One SFT record for `item` (the trajectory JSONL format of `data.trajectory`).
 
@@ -244,7 +245,9 @@ def expert_trajectory(
     the hard items that do not draw a direct answer (`rng.random() < hard_direct_rate`, drawn after
     the bug with `error_rate`) and for the easy items that draw code (`rng.random() <
     easy_code_rate`; only easy items draw it, and only the families in `easy_code_families` (None:
-    all) can use code: the others draw too, so the stream is the same, and answer directly). Returned keys: `id`, `images`
+    all) can use code: the others draw too, so the stream is the same, and answer directly); hard
+    items of the families in `hard_direct_families` (None: all) answer by sight at `hard_direct_rate`
+    (the others draw too and use code). Returned keys: `id`, `images`
     (relative paths `img/{id}.png`, `img/{id}-obs{k}.png`), `messages`, `meta` (family, difficulty,
     question, answer, `error`: the bug name of a recovered error or None, `cells`: 0 for a direct
     answer) — all JSON-able — plus `image_data` (the PNG bytes of `images`, in order) and `timing`
@@ -272,7 +275,7 @@ def expert_trajectory(
         cued = easy_code_families is None or item.family in easy_code_families
         direct = not (rng.random() < easy_code_rate and cued)
     else:
-        direct = rng.random() < hard_direct_rate
+        direct = rng.random() < hard_direct_rate and (hard_direct_families is None or item.family in hard_direct_families)
     if direct:
         key = (item.family, "easy" if easy else "sight")
         think = THINK[key].format(answer=item.answer, color=item.meta.get("color"), kind=item.meta.get("kind"))

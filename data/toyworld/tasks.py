@@ -166,7 +166,10 @@ def _bars_easy(rng):
     return img, QUESTIONS["bars_taller"], winner, {"question_kind": "bars_taller", "base": base, "bars": bars}
 
 
-def _bars_hard(rng):
+BARS_HARD_QUESTIONS = ("bars_color", "bars_height")
+
+
+def _bars_hard(rng, questions=BARS_HARD_QUESTIONS):
     img = Image.new("RGB", (HARD_SIZE,) * 2, WHITE)
     n = _ri(rng, 5, 7)
     names = list(PALETTE)
@@ -183,7 +186,9 @@ def _bars_hard(rng):
     ]
     _bars(ImageDraw.Draw(img), bars, base)
     best = colors[int(np.argmax(heights))]
-    qk = ("bars_color", "bars_height")[_ri(rng, 0, 1)]
+    qk = BARS_HARD_QUESTIONS[_ri(rng, 0, 1)]  # drawn always, so `questions` changes no other draw
+    if qk not in questions:
+        qk = questions[0]
     answer = best if qk == "bars_color" else str(top)
     return img, QUESTIONS[qk], answer, {"question_kind": qk, "base": base, "bars": bars}
 
@@ -277,11 +282,23 @@ _MAKERS = {
 }
 
 
-def make_item(family: str, difficulty: str, rng_or_seed, item_id: str) -> Item:
-    """Draw one item; the same seed (or generator state) gives the same item."""
+def make_item(family: str, difficulty: str, rng_or_seed, item_id: str,
+              bars_questions: tuple[str, ...] = BARS_HARD_QUESTIONS) -> Item:
+    """Draw one item; the same seed (or generator state) gives the same item.
+
+    `bars_questions`: the question kinds hard `bars` items may ask (`bars_color`, `bars_height`);
+    with one of them the other's items ask it instead (the image is the same).
+    """
     if (family, difficulty) not in _MAKERS:
         raise ValueError(f"unknown task {family}/{difficulty}; families {FAMILIES}, difficulties {DIFFICULTIES}")
-    img, question, answer, meta = _MAKERS[family, difficulty](_rng(rng_or_seed))
+    bars_questions = tuple(bars_questions)
+    if not bars_questions or set(bars_questions) - set(BARS_HARD_QUESTIONS):
+        raise ValueError(f"bars_questions={bars_questions}: choose among {BARS_HARD_QUESTIONS}")
+    maker = _MAKERS[family, difficulty]
+    if (family, difficulty) == ("bars", "hard"):
+        img, question, answer, meta = maker(_rng(rng_or_seed), bars_questions)
+    else:
+        img, question, answer, meta = maker(_rng(rng_or_seed))
     return Item(item_id, family, difficulty, question, answer, img, meta)
 
 

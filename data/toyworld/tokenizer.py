@@ -33,6 +33,7 @@ from codedance_jax.processing.reference_files import (
     QWEN25VL_PREPROCESSOR,
     qwen25vl_tokenizer_config,
 )
+from data.toyworld.tasks import KINDS, PALETTE
 
 DEFAULT_VOCAB = 1024  # BPE ids (bytes + merges); the added tokens come after
 DEFAULT_MAX_PIXELS = 168 * 168  # the largest toy image, never resized
@@ -53,10 +54,26 @@ def split_special(texts: Iterable[str]) -> list[str]:
     return [p for t in texts for p in _SPECIAL_RE.split(t) if p]
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB) -> Tokenizer:
-    """Byte-level BPE over `texts` (added tokens are cut out first), Qwen's added tokens appended."""
+def slot_words() -> tuple[str, ...]:
+    """The words a toy-world answer is made of and that code and observations copy (the palette's
+    colour names, the shape kinds): each is one token wherever it appears (`train_tokenizer`)."""
+    return tuple(PALETTE) + tuple(KINDS)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB,
+                    isolate: tuple[str, ...] | None = None) -> Tokenizer:
+    """Byte-level BPE over `texts` (added tokens are cut out first), Qwen's added tokens appended.
+
+    Digits are pre-tokens of their own (one token each), and the `isolate` words (default:
+    `slot_words()`) are tokens of their own, added after Qwen's: "red" is the same single token in
+    a question, in `getrgb('red')`, in a printed observation and in `<answer>red</answer>`, and a
+    plural is the word plus "s" (a word that contains one, "hundred", is cut around it). Without
+    this the byte-level BPE merged across spaces and gave "blue" 17 spellings in the demo's SFT
+    texts, so copying a colour into an answer was a different token sequence in every context.
+    """
     if vocab_size < 257:
         raise ValueError(f"vocab_size must exceed the 256 byte symbols, got {vocab_size}")
+    isolate = slot_words() if isolate is None else tuple(isolate)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -81,6 +98,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB) -> To
         (tok.add_special_tokens if special else tok.add_tokens)([token])
         if tok.token_to_id(content) != base + k:
             raise AssertionError(f"{content} got id {tok.token_to_id(content)}, expected {base + k}")
+    # The slot words come after Qwen's tokens, as added (not special) tokens: matched before
+    # pre-tokenization, so each is one id wherever it appears, and decoded as itself.
+    tok.add_tokens([AddedToken(w, special=False, normalized=False, lstrip=False, rstrip=False, single_word=False)
+                    for w in isolate])
     return tok
 
 

@@ -22,7 +22,9 @@ so that RL with R_BAT has an easy-item tool-call rate to lower; `easy_items_with
 `easy_code_families` (the families whose easy items can use code; with a rate above one half the
 code is the majority mode for those questions, so greedy decoding takes it too;
 `easy_items_with_code_by_family`), `hard_direct_rate` (share of hard SFT items answered by sight, without code: room for RL to raise
-accuracy; `hard_items_direct`) and `error_rate` (share of hard SFT items whose first cell fails and
+accuracy; `hard_items_direct`), `hard_direct_families` (the families whose hard items can be
+answered by sight; `hard_items_direct_by_family`), `bars_questions` (what hard bars items ask:
+the tallest bar's colour and/or its height in pixels) and `error_rate` (share of hard SFT items whose first cell fails and
 is fixed; `recovered_errors`).
 """
 
@@ -43,7 +45,7 @@ from PIL import Image
 from codedance_jax.processing.image import smart_resize
 from data.chat import render
 from data.toyworld.expert import expert_trajectory, png_bytes, user_content
-from data.toyworld.tasks import DIFFICULTIES, FAMILIES, Item, make_item
+from data.toyworld.tasks import BARS_HARD_QUESTIONS, DIFFICULTIES, FAMILIES, Item, make_item
 from data.toyworld.tokenizer import DEFAULT_MAX_PIXELS, DEFAULT_VOCAB, write_toy_processor_files
 from data.trajectory import Message, parse_record
 
@@ -70,14 +72,15 @@ def _key(item: Item) -> str:
     return hashlib.sha256(png_bytes(item.image) + item.question.encode()).hexdigest()
 
 
-def make_split(split: str, n: int, seed: int, hard_frac: float, exclude: set[str] | None = None):
+def make_split(split: str, n: int, seed: int, hard_frac: float, exclude: set[str] | None = None,
+               bars_questions: tuple[str, ...] = BARS_HARD_QUESTIONS):
     """The items of one split; items whose key is in `exclude` are redrawn. Returns (items, redraws)."""
     items, redraws = [], 0
     for i, (fam, diff) in enumerate(split_plan(split, n, seed, hard_frac)):
         attempt = 0
         while True:
             key = [seed, SPLIT_CODES[split], i] + ([attempt] if attempt else [])
-            item = make_item(fam, diff, np.random.default_rng(key), f"{split}-{i:05d}")
+            item = make_item(fam, diff, np.random.default_rng(key), f"{split}-{i:05d}", bars_questions)
             if not exclude or _key(item) not in exclude:
                 break
             attempt += 1
@@ -135,6 +138,7 @@ def load_prompts(jsonl_path: str | os.PathLike) -> list[dict[str, Any]]:
 def run_experts(
     items: list[Item], pool, seed: int, *, error_rate: float, threads: int, easy_code_rate: float = 0.3,
     hard_direct_rate: float = 0.0, easy_code_families: tuple[str, ...] | None = None,
+    hard_direct_families: tuple[str, ...] | None = None,
 ) -> list[dict[str, Any]]:
     """Expert records of `items`, in order; the cells (hard items, easy items with code) run
     concurrently in `pool`."""
@@ -142,7 +146,8 @@ def run_experts(
     def one(i: int) -> dict[str, Any]:
         rng = np.random.default_rng([seed, SPLIT_CODES["sft"], i, 7])
         return expert_trajectory(items[i], pool.new_session, rng, error_rate=error_rate, easy_code_rate=easy_code_rate,
-                                 hard_direct_rate=hard_direct_rate, easy_code_families=easy_code_families)
+                                 hard_direct_rate=hard_direct_rate, easy_code_families=easy_code_families,
+                                 hard_direct_families=hard_direct_families)
 
     with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as ex:
         return list(ex.map(one, range(len(items))))
@@ -180,6 +185,8 @@ def generate_world(
     easy_code_rate: float = 0.3,
     hard_direct_rate: float = 0.0,
     easy_code_families: tuple[str, ...] | None = None,
+    hard_direct_families: tuple[str, ...] | None = None,
+    bars_questions: tuple[str, ...] = BARS_HARD_QUESTIONS,
     vocab_size: int = DEFAULT_VOCAB,
     max_pixels: int = DEFAULT_MAX_PIXELS,
 ) -> dict[str, Any]:
@@ -192,19 +199,21 @@ def generate_world(
     t_start = time.monotonic()
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    sft_items, _ = make_split("sft", n_sft, seed, hard_frac)
-    rl_items, _ = make_split("rl", n_rl, seed, hard_frac)
+    bars_questions = tuple(bars_questions)
+    sft_items, _ = make_split("sft", n_sft, seed, hard_frac, bars_questions=bars_questions)
+    rl_items, _ = make_split("rl", n_rl, seed, hard_frac, bars_questions=bars_questions)
     seen = {_key(it) for it in sft_items + rl_items}
-    eval_items, redraws = make_split("eval", n_eval, seed, hard_frac, exclude=seen)
+    eval_items, redraws = make_split("eval", n_eval, seed, hard_frac, exclude=seen, bars_questions=bars_questions)
 
     t_sb = time.monotonic()
-    if easy_code_families is not None:
-        easy_code_families = tuple(easy_code_families)
-        unknown = set(easy_code_families) - set(FAMILIES)
+    for name, fams in (("easy_code_families", easy_code_families), ("hard_direct_families", hard_direct_families)):
+        unknown = set(fams or ()) - set(FAMILIES)
         if unknown:
-            raise ValueError(f"easy_code_families: unknown families {sorted(unknown)}; expected some of {FAMILIES}")
+            raise ValueError(f"{name}: unknown families {sorted(unknown)}; expected some of {FAMILIES}")
+    easy_code_families = None if easy_code_families is None else tuple(easy_code_families)
+    hard_direct_families = None if hard_direct_families is None else tuple(hard_direct_families)
     knobs = dict(error_rate=error_rate, easy_code_rate=easy_code_rate, hard_direct_rate=hard_direct_rate,
-                 easy_code_families=easy_code_families)
+                 easy_code_families=easy_code_families, hard_direct_families=hard_direct_families)
     if pool is None:
         from sandbox import SandboxPool
 
@@ -263,7 +272,11 @@ def generate_world(
         "easy_items_with_code_by_family": dict(sorted(collections.Counter(
             r["meta"]["family"] for r in records if r["meta"]["difficulty"] == "easy" and r["meta"]["cells"] > 0).items())),
         "hard_direct_rate": hard_direct_rate,
+        "hard_direct_families": list(FAMILIES if hard_direct_families is None else hard_direct_families),
         "hard_items_direct": sum(1 for r in records if r["meta"]["difficulty"] == "hard" and r["meta"]["cells"] == 0),
+        "hard_items_direct_by_family": dict(sorted(collections.Counter(
+            r["meta"]["family"] for r in records if r["meta"]["difficulty"] == "hard" and r["meta"]["cells"] == 0).items())),
+        "bars_questions": list(bars_questions),
         "error_rate": error_rate,
         "sandbox": {
             "cells": sum(r["meta"]["cells"] for r in records),

@@ -10,7 +10,7 @@ from codedance_jax.processing import Processor
 from codedance_jax.rollout.prompts import rl_prompt
 from data.chat import render
 from data.toyworld import toy_model_config, train_tokenizer, write_toy_processor_files
-from data.toyworld.tokenizer import qwen_added_tokens
+from data.toyworld.tokenizer import qwen_added_tokens, slot_words
 from data.trajectory import read_jsonl
 
 CORPUS = [
@@ -38,8 +38,10 @@ def test_roundtrip_and_specials(tmp_path):
     ids = write_toy_processor_files(tmp_path, CORPUS, vocab_size=300, max_pixels=168 * 168)
     tok = Processor.from_pretrained(tmp_path).tokenizer
     added = qwen_added_tokens()
-    assert len(tok) == 300 + len(added) and len(added) == 22
+    assert len(tok) == 300 + len(added) + len(slot_words()) and len(added) == 22
     assert [ids[c] for c, _ in added] == list(range(300, 322))  # after the BPE ids, in Qwen's order
+    # then the slot words, one id each
+    assert [tok.token_to_id(w) for w in slot_words()] == list(range(322, 322 + len(slot_words())))
     for c, _ in added:
         assert tok.encode(c) == [ids[c]] and tok.encode(f"a{c}b")[1:-1] == [ids[c]]
     rng = np.random.default_rng(0)
@@ -68,7 +70,7 @@ def test_processor_files(toy_processor, world):
     with open(os.path.join(d, "preprocessor_config.json")) as f:
         pre = json.load(f)
     assert pre["min_pixels"] == 3136 and pre["max_pixels"] == 168 * 168
-    assert len(toy_processor.tokenizer) == world[1]["vocab_size"] == 400 + 22
+    assert len(toy_processor.tokenizer) == world[1]["vocab_size"] == 400 + 22 + len(slot_words())
     assert toy_processor.eos_id == world[1]["special_ids"]["<|im_end|>"]
     assert toy_processor.pad_id == world[1]["special_ids"]["<|endoftext|>"]
     assert toy_processor.image_token_id == 400 + 12
@@ -121,3 +123,28 @@ def test_toy_model_forward(toy_processor, world):
     )
     assert logits.shape == (1, batch["input_ids"].shape[1], cfg.text.vocab_size)
     assert np.isfinite(logits).all() and logits.std() > 0
+
+
+def test_slot_words_have_one_spelling(toy_processor, world):
+    """Every colour and kind has exactly one token spelling in every text of a generated world (SFT
+    trajectories as rendered for training, RL and eval prompts): question, code, observation, think
+    text and answer all use the word's single id."""
+    tok = toy_processor.tokenizer
+    word_ids = {w: tok.token_to_id(w) for w in slot_words()}
+    assert all(isinstance(i, int) and tok.decode([i]) == w for w, i in word_ids.items())
+    records = read_jsonl([os.path.join(world[0], "sft", "sft.jsonl")], on_error="stop", load_images=False)
+    texts = [render(t.messages).text for t in records]
+    from data.toyworld import load_prompts
+
+    texts += [row["question"] for split in ("rl", "eval")
+              for row in load_prompts(os.path.join(world[0], split, "prompts.jsonl"))]
+    seen = set()
+    for text in texts:
+        enc = tok.backend.encode(text, add_special_tokens=False)
+        for i, (a, b) in zip(enc.ids, enc.offsets, strict=True):
+            piece = text[a:b]
+            for w in slot_words():
+                if w in piece:  # a token that holds a slot word is that word's token, and nothing more
+                    assert i == word_ids[w], (w, piece, text[max(0, a - 20) : b + 20])
+                    seen.add(w)
+    assert {"red", "green", "blue", "yellow", "circle", "square", "triangle"} <= seen, seen
