@@ -132,9 +132,9 @@ def print_table(title, summ):
 
 # ----------------------------------------------------------------------------------- demo preset
 def demo_case(args):
-    from runs.demo import pipeline
     from configs import demo as demo_configs
     from data.toyworld import generate_world, toy_model_config
+    from runs.demo import pipeline
     from sandbox import SandboxPool
 
     c = demo_configs.get_config()

@@ -143,10 +143,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # ----------------------------------------------------------------------------------- demo preset
 def demo_case(args):
-    from runs.demo import pipeline
+    from configs import demo as demo_configs
     from runs import setup
     from runs import sft as rsft
-    from configs import demo as demo_configs
+    from runs.demo import pipeline
 
     c = demo_configs.get_config()
     work = args.workdir or tempfile.mkdtemp(prefix="sft_demo_")

@@ -40,13 +40,13 @@ from codedance_jax.errors import ConfigError
 from codedance_jax.rl import GRPOLossConfig, RBATConfig, selection
 from codedance_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig
 from codedance_jax.rollout.buckets import CompileCounter
+from codedance_jax.train import optim, run_record
+from codedance_jax.train.batching import check_buckets
+from codedance_jax.train.metrics import drop_rows_after
 from runs import grpo_stages as stages
 from runs import setup
 from runs.grpo_metrics import metrics_row
 from runs.grpo_stages import GRPOContext, rollout_model
-from codedance_jax.train import optim, run_record
-from codedance_jax.train.batching import check_buckets
-from codedance_jax.train.metrics import drop_rows_after
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ import numpy as np
 
 from codedance_jax.model.config import ModelConfig
 from codedance_jax.rl import scoring
-from runs.grpo_stages import GRPOBatch, Rollouts, Scores, StepPrompts, Update
 from codedance_jax.train import flops
+from runs.grpo_stages import GRPOBatch, Rollouts, Scores, StepPrompts, Update
 
 
 def metrics_row(sp: StepPrompts, ro: Rollouts, sc: Scores, b: GRPOBatch, up: Update, *, cfg: ModelConfig,

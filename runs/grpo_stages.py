@@ -30,9 +30,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from codedance_jax.model.config import ModelConfig
 from codedance_jax.rl import GRPOLossConfig, RBATConfig, rbat_advantages, rbat_rewards, scoring, selection
 from codedance_jax.rollout import RolloutEngine, RolloutStats, Trajectory, rl_prompt, save_jsonl
-from runs import setup
 from codedance_jax.train import grpo, rl_batch, sft
 from codedance_jax.train.batching import Bucket, max_bucket_across_hosts
+from runs import setup
 
 
 @dataclasses.dataclass

@@ -21,8 +21,8 @@ import numpy as np
 
 from codedance_jax.errors import ConfigError
 from codedance_jax.model.config import ModelConfig
-from runs import setup
 from codedance_jax.train import checkpointing, flops, optim, run_record, sft
+from runs import setup
 
 log = logging.getLogger(__name__)
 

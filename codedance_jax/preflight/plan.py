@@ -17,10 +17,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from codedance_jax.preflight import topology as pf
-from codedance_jax.preflight import rollout as preflight_rollout
 from codedance_jax.model import flash
 from codedance_jax.model.config import ModelConfig
+from codedance_jax.preflight import rollout as preflight_rollout
+from codedance_jax.preflight import topology as pf
 from codedance_jax.rl.grpo_loss import GRPOLossConfig
 from codedance_jax.train import flops, grpo, optim, sft
 from codedance_jax.train import state as st

@@ -35,10 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from codedance_jax.preflight import topology as pf
 from codedance_jax import sharding
 from codedance_jax.model import generate
 from codedance_jax.model.config import ModelConfig
+from codedance_jax.preflight import topology as pf
 from codedance_jax.rollout.buckets import round_up, vision_bucket
 from codedance_jax.rollout.config import RolloutConfig
 from codedance_jax.rollout.sampler import Sampler, SamplingConfig, StopTable

@@ -34,11 +34,11 @@ from typing import Any
 
 import numpy as np
 
+from codedance_jax.errors import UserError
 from runs.curate import grounding, stages
 from runs.curate import report as report_lib
 from runs.curate.endpoints import Endpoint
 from runs.curate.stagefile import kept, read_stage, run_stage
-from codedance_jax.errors import UserError
 
 ROLES = ("judge", "weak", "teacher", "verifier")
 STAGES = ("validate", "stratify", "synthesize", "filter", "verify")
@@ -64,8 +64,8 @@ def ingest(config, workdir: str, log=print) -> list[dict[str, Any]]:
     s = config.source
     rows = []
     if s.kind == "toyworld":
-        from runs.curate.scripted import chance, wrong_answer
         from data.toyworld.expert import png_bytes
+        from runs.curate.scripted import chance, wrong_answer
 
         os.makedirs(os.path.join(workdir, "img"), exist_ok=True)
         for it in toy_items(s):

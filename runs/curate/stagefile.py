@@ -18,8 +18,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from runs.curate.endpoints import EndpointError, read_jsonl_tolerant, repair_jsonl
 from codedance_jax.errors import UserError
+from runs.curate.endpoints import EndpointError, read_jsonl_tolerant, repair_jsonl
 
 
 class StageIncomplete(UserError):

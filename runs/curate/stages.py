@@ -31,11 +31,11 @@ from typing import Any
 
 from PIL import Image
 
-from runs.curate import filters, grounding, splice, templates
-from runs.curate.endpoints import Endpoint, ask, image_part
 from codedance_jax.protocol import rl_question
 from codedance_jax.rl.answers import accuracy_reward
 from data.trajectory import RecordError, parse_record
+from runs.curate import filters, grounding, splice, templates
+from runs.curate.endpoints import Endpoint, ask, image_part
 
 
 @dataclasses.dataclass

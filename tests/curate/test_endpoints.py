@@ -5,10 +5,10 @@ import threading
 
 import pytest
 
+from data.toyworld.expert import png_bytes
 from runs.curate.endpoints import Endpoint, EndpointError, ask
 from runs.curate.pipeline import toy_items
 from runs.curate.scripted import ScriptedModel, ScriptedServer
-from data.toyworld.expert import png_bytes
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ def test_missing_source_is_a_user_error(tmp_path):
 def test_missing_url_is_a_user_error(tmp_path, make_config):
     import pytest
 
-    from runs.curate import pipeline
     from codedance_jax.errors import UserError
+    from runs.curate import pipeline
 
     c = make_config(num_items=2)
     c.judge.url = ""

@@ -2,8 +2,8 @@
 
 import pytest
 
-from runs.curate import filters
 from configs.curate import get_config
+from runs.curate import filters
 
 CFG = get_config("endpoints").filters
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from runs.curate import grounding, pipeline, stages
 from codedance_jax.errors import UserError
 from configs.curate import get_config
 from data.toyworld.tasks import PALETTE
+from runs.curate import grounding, pipeline, stages
 
 
 def _medium_find(c, items):

@@ -1,9 +1,9 @@
 """The weak model as our engine in THIS process (`serve_mode="inprocess"`): launch.serve's server on a
 thread, reached over HTTP on 127.0.0.1 like any endpoint; pass@k of the random tiny policy."""
 
+from configs.curate import get_config
 from runs.curate import pipeline
 from runs.curate.stagefile import read_stage
-from configs.curate import get_config
 
 
 def test_stratify_with_the_engine_in_process(tmp_path):

@@ -3,9 +3,9 @@
 import json
 import os
 
+from data.trajectory import read_jsonl
 from runs.curate import pipeline, stages
 from runs.curate.stagefile import read_stage
-from data.trajectory import read_jsonl
 
 
 def test_validate_drops_uninformative_and_wrong_gold(ctx):

@@ -1,9 +1,9 @@
 """The toy preset as users run it: the weak model is our tiny policy behind a real `launch.serve`
 process (random weights), teacher / judge / verifier the scripted stand-in; the output is SFT data."""
 
-from runs.curate import pipeline
 from configs.curate import get_config
 from data.trajectory import read_jsonl
+from runs.curate import pipeline
 
 
 def test_toy_preset_with_launch_serve_as_weak_model(tmp_path):

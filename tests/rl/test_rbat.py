@@ -356,8 +356,8 @@ def test_config_validation_and_registry():
 def test_run_config_overrides_seq_eps_and_w_turn_else_keeps_the_preset():
     """configs/grpo.py's rbat block: seq_eps / w_turn None keep each preset's value; set, they reach
     the kernel, which then matches the paper reference with the same epsilon and weight."""
-    from runs.grpo import rbat_config
     from configs import grpo as grpo_configs
+    from runs.grpo import rbat_config
 
     c = grpo_configs.get_config("tiny").rbat
     for preset, factory in (("paper", RBATConfig.paper), ("release", RBATConfig.release)):

@@ -5,9 +5,9 @@ import pytest
 
 from codedance_jax.model.config import ModelConfig
 from codedance_jax.rollout import RolloutStats, Trajectory
+from codedance_jax.train import flops
 from runs.grpo_metrics import metrics_row
 from runs.grpo_stages import GRPOBatch, Rollouts, Scores, StepPrompts, Update
-from codedance_jax.train import flops
 
 
 def _traj(rng, i, statuses):
@@ -72,8 +72,8 @@ def test_metrics_row_from_stage_results():
 def test_rbat_block_picks_the_named_preset_and_refuses_an_unknown_one():
     from codedance_jax.errors import ConfigError
     from codedance_jax.rl import RBATConfig
-    from runs.grpo import rbat_config
     from configs import grpo as grpo_configs
+    from runs.grpo import rbat_config
 
     c = grpo_configs.get_config("tiny").rbat
     for name, build in (("paper", RBATConfig.paper), ("release", RBATConfig.release)):
