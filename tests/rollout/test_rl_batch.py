@@ -76,3 +76,30 @@ def test_text_only_batch_skips_the_vision_tower_and_keeps_logprobs(model, proces
     m = batch["loss_mask"] > 0
     assert m.sum() > 10
     np.testing.assert_allclose(lp[m], batch["old_logprobs"][m], atol=2e-4)
+
+
+def test_batch_stage_trains_only_the_kept_rows(model, processor):
+    """`runs.grpo_stages.batch` applies the filter's `Scores.keep` (dynamic sampling, Mini-o3 masking):
+    a left-out trajectory keeps its row but trains no token; the kept rows are the plain batch's."""
+    import types
+
+    from runs import grpo_stages as stages
+
+    engine = RolloutEngine(model, processor, small_config(max_turn_tokens=24), SamplingConfig(temperature=1.0, seed=7))
+    prompts = [rl_prompt(processor, f"k{i}", f"Say a number ({i})", []) for i in range(2)]
+    trajs, _ = engine.rollout(prompts, 2, None)
+    b, m = len(trajs), engine.cfg.max_turns
+    a_seq, a_turn = np.linspace(-1, 1, b).astype(np.float32), np.ones((b, m), np.float32)
+    buckets = check_buckets([(256, 64, 16)])
+    mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    ctx = types.SimpleNamespace(processor=processor, cfg=model.cfg, buckets=buckets, mesh=mesh, rules=None, rows=b,
+                                hosts=1, config=types.SimpleNamespace(grad_accum=1, buckets=((256, 64, 16),)))
+    ro = types.SimpleNamespace(trajectories=trajs)
+    keep = np.array([True, False, True, False])
+    z = np.zeros(b, np.float32)
+    got = {k: stages.batch(ctx, ro, stages.Scores(z, z > 0, a_seq, a_turn, {}, 0.0, keep=kp), 1).local
+           for k, kp in (("all", None), ("kept", keep))}
+    trained = got["kept"]["turn_ids"] >= 0
+    assert not trained[~keep].any() and trained[keep].any()
+    np.testing.assert_array_equal(got["kept"]["turn_ids"][keep], got["all"]["turn_ids"][keep])
+    assert (got["all"]["turn_ids"][~keep] >= 0).any()  # the rows left out had tokens to train
