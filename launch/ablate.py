@@ -4,6 +4,7 @@ r"""Table 3 of the paper on the toy world: four reward variants from the same SF
   python -m launch.ablate --workdir=DIR --modes=outcome,full --config.grpo.total_steps=20
   python -m launch.ablate --workdir=DIR --seeds=0,1,2 --presets=paper,release   # Table 3, mean ± std
   python -m launch.ablate --workdir=DIR --modes=full --variants=drgrpo,dapo,gspo,mask_truncated,turn_loo
+  python -m launch.ablate --workdir=DIR --modes=outcome,full,drgrpo,turn_loo   # a recipe variant is a row of --modes too
   python -m launch.ablate --workdir=DIR --variants=dapo --dry_run    # print the runs and their config changes
 
 Rows: outcome-only GRPO (R_acc + R_format), DeepEyes-style tool bonus, R_BAT without R_turn, full
@@ -27,16 +28,19 @@ flags.DEFINE_list("modes", ["outcome", "tool_bonus", "no_turn", "full"], "Reward
 
 
 def _known_modes(modes) -> bool:
+    """Reward variants (RBATConfig.mode) or recipe variants (runs/demo/variants.py), in any mix."""
     from codedance_jax.rl.rbat import MODES
+    from runs.demo.variants import VARIANTS
 
-    return bool(modes) and all(m in MODES for m in modes)
+    return bool(modes) and all(m in MODES or m in VARIANTS for m in modes)
 
 
 flags.DEFINE_list("seeds", [], "GRPO seeds, one run per row each (empty: the config's seed, one run).")
 flags.DEFINE_list("presets", [], "R_BAT presets for the R_BAT rows: paper, release (empty: the config's).")
 flags.register_validator("seeds", lambda s: all(x.lstrip("-").isdigit() for x in s), "--seeds: integers, e.g. 0,1,2")
 flags.register_validator("presets", lambda p: all(x in ("paper", "release") for x in p), "--presets: paper and/or release")
-flags.register_validator("modes", _known_modes, "unknown reward variant; choose among outcome,tool_bonus,no_turn,full")
+flags.register_validator("modes", _known_modes, "unknown row; choose among the reward variants outcome,tool_bonus,"
+                         "no_turn,full and the recipe variants of runs/demo/variants.py (e.g. drgrpo,dapo,gspo)")
 flags.DEFINE_list("variants", [], "Recipe variants, one row each (runs/demo/variants.py): e.g. drgrpo,dapo,gspo.")
 flags.DEFINE_bool("dry_run", False, "Print the runs the ablation would train and their GRPO config changes; train nothing.")
 
@@ -60,9 +64,15 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     f = flags.FLAGS
-    # --variants alone trains only the variants; --modes given as well adds the reward rows.
+    # --variants alone trains only the variants; --modes given as well adds the reward rows. A recipe
+    # variant's name in --modes is a row too (--modes=outcome,full,drgrpo,turn_loo).
+    from codedance_jax.rl.rbat import MODES
+
     modes = tuple(f.modes) if f["modes"].present or not f.variants else ()
-    kw = dict(seeds=tuple(int(x) for x in f.seeds), presets=tuple(f.presets), recipe_variants=tuple(f.variants))
+    named = tuple(m for m in modes if m not in MODES)
+    modes = tuple(m for m in modes if m in MODES)
+    variants = tuple(dict.fromkeys(tuple(f.variants) + named))
+    kw = dict(seeds=tuple(int(x) for x in f.seeds), presets=tuple(f.presets), recipe_variants=variants)
     if f.dry_run:
         import json
 

@@ -76,3 +76,10 @@ def test_the_flag_parses_into_one_run_per_variant(tmp_path):
         "full/seed0", "turn_all/seed0", "full/seed1", "turn_all/seed1"]
     out = _ablate(tmp_path, "--variants=dapo,drgrpoo")
     assert out.returncode == 2 and "--variants" in out.stderr and "drgrpoo" in out.stderr
+    # Every recipe variant is a row of --modes too, mixed with the reward variants.
+    names = ",".join(variants.VARIANTS)
+    out = _ablate(tmp_path, f"--modes=outcome,{names}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [json.loads(x)["run"] for x in out.stdout.splitlines() if x.startswith("{")] == ["outcome", *variants.VARIANTS]
+    out = _ablate(tmp_path, "--modes=full,gspoo")
+    assert out.returncode == 2 and "--modes" in out.stderr and "gspoo" in out.stderr
