@@ -1,6 +1,7 @@
 """The FastAPI app: `/v1/models`, `/v1/chat/completions` (plain, streamed, agent), `/health`.
 
-Every error is OpenAI-shaped JSON (`errors.py`): validation and image problems are 400, a prompt
+`Server.app` is the FastAPI app behind `guard.Guard` (Host, Origin, API key, body limits), with
+CORS headers for the allowed origins. Every error is OpenAI-shaped JSON (`errors.py`): validation and image problems are 400, a prompt
 over the context budget is a 400 with code `context_length_exceeded`, an unknown model 404, a bug
 500 with the exception's name and message but no traceback. A streamed request that fails after
 its headers were sent gets one `data: {"error": ...}` event and `[DONE]`, never a hung connection.
@@ -17,6 +18,7 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -25,7 +27,9 @@ from codedance_jax.serve import agent as agent_lib
 from codedance_jax.serve import messages as msg_lib
 from codedance_jax.serve.batcher import Batcher, Choice, request_uid
 from codedance_jax.serve.errors import APIError, error_body
-from codedance_jax.serve.schema import ChatRequest, parse_chat_request
+from codedance_jax.serve.guard import Guard
+from codedance_jax.serve.media import DEFAULT_MAX_PIXELS, LocalMedia
+from codedance_jax.serve.schema import ChatRequest, parse_chat_request, parse_json
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +41,13 @@ class ServeConfig:
     model_name: the name `/v1/models` lists (`<model_name>-agent` runs agent mode). max_context:
     prompt + completion tokens per sequence. max_batch: rows decoded together. decode_chunk: decode
     steps per device call (streaming granularity and the most a new request waits to join).
+
+    What clients may do (`guard.py`, `media.py`): host: the address the server listens on (Host
+    headers naming it are served). api_key: required as a Bearer token on every route when set.
+    allowed_hosts / allowed_origins: more Host names, and browser origins, to serve.
+    allowed_local_media_path: directories whose world-readable files image URLs may name (none:
+    data URLs only). max_body_bytes, body_timeout_s, header_timeout_s: request size and time
+    limits. max_image_pixels: the largest image decoded (checked from its header).
     """
 
     model_name: str = "codedance"
@@ -48,8 +59,15 @@ class ServeConfig:
     sandbox_workers: int = 2
     sandbox_timeout_s: float = 15.0
     turn_format: str = "code"
-    # image_url parts may name files on the server's machine; turn off when serving beyond localhost.
-    local_images: bool = True
+    host: str = "127.0.0.1"
+    api_key: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
+    allowed_local_media_path: tuple[str, ...] = ()
+    max_body_bytes: int = 32 << 20
+    body_timeout_s: float = 60.0
+    header_timeout_s: float = 10.0
+    max_image_pixels: int = DEFAULT_MAX_PIXELS
 
 
 class Server:
@@ -67,7 +85,13 @@ class Server:
                                                sandbox_workers=c.sandbox_workers, sandbox_timeout_s=c.sandbox_timeout_s,
                                                turn_format=c.turn_format)
         self.created = int(time.time())
-        self.app = self._build_app()
+        self.local_media = LocalMedia(c.allowed_local_media_path, max_bytes=c.max_body_bytes)
+        inner = self._build_app()
+        if c.allowed_origins:
+            inner = CORSMiddleware(inner, allow_origins=list(c.allowed_origins), allow_methods=["GET", "POST"],
+                                   allow_headers=["authorization", "content-type"])
+        self.app = Guard(inner, bound_host=c.host, allowed_hosts=c.allowed_hosts, allowed_origins=c.allowed_origins,
+                         api_key=c.api_key, max_body_bytes=c.max_body_bytes, body_timeout_s=c.body_timeout_s)
 
     def start(self):
         self.batcher.start()
@@ -125,10 +149,7 @@ class Server:
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise APIError(400, f"the request body is not valid JSON ({e})") from e
+            body = parse_json(await request.body())
             req = parse_chat_request(body, self.cfg.max_n)
             if req.model not in self.model_names:
                 raise self._unknown_model(req.model)
@@ -154,7 +175,7 @@ class Server:
     # ------------------------------------------------------------------ plain chat
     def _encode(self, req: ChatRequest, rewrite=None):
         text, images = msg_lib.render(self.processor, req.messages, rewrite_last_user=rewrite,
-                                      local_images=self.cfg.local_images)
+                                      local=self.local_media, max_pixels=self.cfg.max_image_pixels)
         try:
             enc = self.processor(text=[text], images=images or None)
         except ValueError as e:  # e.g. placeholder text typed by the user

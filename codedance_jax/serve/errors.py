@@ -1,13 +1,16 @@
 """OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the HTTP status.
 
-400 invalid request (bad field, bad image, context too long), 404 unknown model or route, 500 a
-bug (the message names the exception, never a traceback), 503 the decode loop stopped.
+400 invalid request (bad field, bad image, context too long, a Host that is not this server), 401
+no or a wrong API key, 403 a cross-site request, 404 unknown model or route, 408 a body that came
+too slowly, 413 a body over the limit, 415 a body that is not JSON, 500 a bug (the message names
+the exception, never a traceback), 503 the decode loop stopped.
 """
 
 from __future__ import annotations
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 500: "server_error", 503: "server_error"}
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+          413: "invalid_request_error", 415: "invalid_request_error", 500: "server_error", 503: "server_error"}
 
 
 class APIError(Exception):

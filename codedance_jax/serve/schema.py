@@ -8,14 +8,42 @@ Extensions (agent mode): `agent` (bool, or use the `<model>-agent` name), `max_t
 sandbox; the model samples after them).
 Not supported (400 rather than silently wrong): top_logprobs > 0, tools / function calling,
 response_format other than text. Unknown fields are ignored, as OpenAI-compatible servers do.
+
+The body itself (`parse_json`): UTF-8 JSON, no NaN / Infinity literals, nested at most
+`MAX_DEPTH` deep; numbers must be finite and in range. Every failure of any shape is a 400.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 from typing import Any
 
 from codedance_jax.serve.errors import APIError
+
+MAX_DEPTH = 32  # a chat request nests ~6 deep (messages[].content[].image_url.url)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_json(raw: bytes) -> Any:
+    """The request body as JSON (400 if it is not JSON, uses NaN/Infinity, or nests deeper than MAX_DEPTH)."""
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, int digits limit
+        why = "it nests too deep" if isinstance(e, RecursionError) else str(e)[:200]
+        raise APIError(400, f"the request body is not valid JSON ({why})") from e
+    stack = [(body, 1)]
+    while stack:  # iterative: the check itself must not recurse
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > MAX_DEPTH:
+                raise APIError(400, f"the request body nests deeper than {MAX_DEPTH} levels")
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return body
 
 
 @dataclasses.dataclass
@@ -43,11 +71,18 @@ def _num(body, key, kind, lo, hi, default, *, lo_open=False):
     v = body.get(key)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise APIError(400, f"{key} must be {'an integer' if kind is int else 'a number'}; got {v!r}", param=key)
+    if isinstance(v, float) and not math.isfinite(v):  # 1e999 parses as inf
+        raise APIError(400, f"{key} must be a finite number; got {v!r}", param=key)
+    if isinstance(v, float) and kind is int and not v.is_integer():
+        raise APIError(400, f"{key} must be an integer; got {v!r}", param=key)
+    rng = f"{'(' if lo_open else '['}{lo}, {hi}]"
+    if abs(v) > 1 << 62:  # a 4000-digit integer is valid JSON; float() of it would overflow
+        raise APIError(400, f"{key} must be in {rng}", param=key)
     v = kind(v)
     if (v <= lo if lo_open else v < lo) or v > hi:
-        raise APIError(400, f"{key} must be in {'(' if lo_open else '['}{lo}, {hi}]; got {v}", param=key)
+        raise APIError(400, f"{key} must be in {rng}; got {v}", param=key)
     return v
 
 
@@ -88,11 +123,13 @@ def parse_chat_request(body: Any, max_n: int = 16) -> ChatRequest:
     if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
         raise APIError(400, "response_format other than text is not supported", param="response_format")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise APIError(400, f"seed must be an integer; got {seed!r}", param="seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or abs(seed) >= 1 << 63):
+        raise APIError(400, f"seed must be an integer in (-2^63, 2^63); got {seed!r}", param="seed")
     max_tokens = _num(body, "max_completion_tokens", int, 1, 1 << 30, None)
     max_tokens = _num(body, "max_tokens", int, 1, 1 << 30, max_tokens)
     so = body.get("stream_options") or {}
+    if not isinstance(so, dict):
+        raise APIError(400, "stream_options must be an object", param="stream_options")
     return ChatRequest(
         model=model,
         messages=messages,
@@ -103,7 +140,7 @@ def parse_chat_request(body: Any, max_n: int = 16) -> ChatRequest:
         n=_num(body, "n", int, 1, max_n, 1),
         seed=seed,
         stream=_bool(body, "stream"),
-        include_usage=bool(isinstance(so, dict) and so.get("include_usage")),
+        include_usage=_bool(so, "include_usage"),
         logprobs=_bool(body, "logprobs"),
         agent=_bool(body, "agent"),
         max_turns=_num(body, "max_turns", int, 1, 32, 10),
