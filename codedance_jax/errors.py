@@ -10,9 +10,15 @@ such an error as one or two lines on stderr and exits with status 2 (no tracebac
 
 The subclasses also derive from the builtin type a caller would expect (`ValueError`,
 `FileNotFoundError`, `KeyError`), so code that catches those keeps working.
+
+A full disk is the user's to fix too, wherever it surfaces: `disk_full(e)` finds it anywhere in an
+exception's chain (orbax reports it from a writer thread, wrapped, as text), and the runner prints
+it in one line like a `UserError`.
 """
 
 from __future__ import annotations
+
+import errno
 
 
 class UserError(Exception):
@@ -50,3 +56,29 @@ class DataError(UserError, ValueError):
 
 class WorkdirConflictError(UserError):
     """The workdir holds another run (a saved config that differs in a field that changes the run)."""
+
+
+class DiskFullError(UserError, OSError):
+    """The disk filled up while writing (a checkpoint, metrics): nothing half-written is kept."""
+
+
+# ENOSPC and EDQUOT as their texts: orbax re-raises tensorstore's write failures as a ValueError
+# ("RESOURCE_EXHAUSTED: ... No space left on device [os_error_code='28']"), not as an OSError.
+_DISK_FULL_TEXTS = ("No space left on device", "Disk quota exceeded", "os_error_code='28'", "os_error_code='122'")
+
+
+def disk_full(e: BaseException | None) -> bool:
+    """Whether `e`, or an exception it was raised from or while handling, is a full disk."""
+    seen = set()
+    todo = [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(t in str(x) for t in _DISK_FULL_TEXTS):
+            return True
+        todo += [x.__cause__, x.__context__, *getattr(x, "exceptions", ())]
+    return False

@@ -33,6 +33,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -57,6 +58,7 @@ RESERVED = (
 # kind -> how to fix it (part of every error message).
 FIXES = {
     "bad_json": "each line must be one JSON object (no trailing commas, no pretty-printing over several lines)",
+    "bad_encoding": "the file must be UTF-8 text, one JSON object per line (is it a binary or compressed file?)",
     "bad_field": "a record needs 'id' (str), 'images' (list of str) and 'messages' (list of {role, content})",
     "unknown_role": f"roles are {', '.join(ROLES)}",
     "bad_order": "system? user (assistant (user|observation))* assistant; an observation follows an assistant turn",
@@ -258,8 +260,16 @@ def load_image_png(path: str) -> bytes:
         raise RecordError("bad_image", f"{path}: {type(e).__name__}: {e}") from e
 
 
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" makes of a byte that is not UTF-8
+
+
 def parse_line(line: str, file: str, lineno: int, *, load_images: bool = True) -> Trajectory:
-    """One JSONL line -> Trajectory (images read and PNG-encoded when `load_images`)."""
+    """One JSONL line -> Trajectory (images read and PNG-encoded when `load_images`). A line read
+    with errors="surrogateescape" whose bytes were not UTF-8 is a `bad_encoding` record."""
+    bad = _NOT_UTF8.search(line)
+    if bad:
+        raise RecordError("bad_encoding", f"byte 0x{ord(bad.group()) - 0xDC00:02x} at column {bad.start() + 1} "
+                                          "is not UTF-8")
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -282,7 +292,9 @@ def read_jsonl(
     report = DataReport() if report is None else report
     for path in paths:
         path = os.fspath(path)
-        with open(path, encoding="utf-8") as f:
+        # Bytes that are not UTF-8 become lone surrogates, so a binary line is one bad record
+        # (counted like any malformed line) instead of a UnicodeDecodeError for the whole file.
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
             for lineno, line in enumerate(f, start=1):
                 if not line.strip():
                     continue

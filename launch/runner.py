@@ -4,7 +4,11 @@
   flag, what is wrong and the fix; no traceback. User errors are `codedance_jax.errors.UserError`
   (raised by the library where it detects bad input) and the cases translated here: a bad flag
   (unknown, missing, wrong type), a config field that does not exist, a config file that does not
-  load, a missing or unreadable path, a port in use.
+  load, a missing or unreadable path (a symlink loop included), a port in use, a full disk (also
+  when it surfaces wrapped, as orbax reports it from its writer threads). Loaders read checkpoint
+  files through `codedance_jax.input_files`, so truncated or pointer weights, configs that are not
+  JSON and broken orbax checkpoints arrive here as `CheckpointError`. The 'Event loop is closed'
+  reports that tensorstore's late callbacks print after such a failure are dropped.
 - Anything else is a bug: the traceback is printed and the status is 1 (Python's default).
 - `--verbose` (or `CODEDANCE_VERBOSE=1`) prints the traceback of user errors too.
 - After an error in a training run, the last line says which checkpoint is intact and how to
@@ -24,7 +28,7 @@ import traceback
 
 from absl import app, flags
 
-from codedance_jax.errors import UserError
+from codedance_jax.errors import UserError, disk_full
 
 flags.DEFINE_bool("verbose", False, "Show the traceback of user errors too (also: CODEDANCE_VERBOSE=1).")
 
@@ -32,7 +36,7 @@ VERBOSE_ENV = "CODEDANCE_VERBOSE"
 EXIT_USER_ERROR = 2
 # OSErrors that mean "the path or port you gave": everything else stays a bug.
 _USER_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EROFS,
-                errno.ENOSPC, errno.EADDRINUSE}
+                errno.ENOSPC, errno.EDQUOT, errno.EADDRINUSE, errno.ELOOP}
 _OS_FIXES = {
     errno.ENOENT: "check the path given on the command line or in the config",
     errno.EACCES: "choose a path you can read/write, or fix its permissions",
@@ -42,6 +46,8 @@ _OS_FIXES = {
     errno.EEXIST: "this path exists and is in the way: choose another one or remove it",
     errno.EROFS: "the file system is read-only: choose a writable path",
     errno.ENOSPC: "free disk space or choose another workdir; re-run the same command to resume",
+    errno.EDQUOT: "free disk space (your quota is used up) or choose another workdir; re-run the same command to resume",
+    errno.ELOOP: "a symbolic link on this path resolves to itself: replace it with what it should point to",
     errno.EADDRINUSE: "another process holds this port: stop it or choose another port",
 }
 
@@ -175,6 +181,10 @@ def _translate(e: BaseException) -> tuple[str, str] | None:
     """A known user-error exception -> (message, fix); None for a bug."""
     if isinstance(e, UserError):
         return e.message, e.fix
+    if not isinstance(e, OSError) and disk_full(e):  # wrapped (orbax: a ValueError from a writer thread)
+        path = re.search(r'"(/[^"]+)"', str(e))
+        return (f"{path.group(1) + ': ' if path else ''}no space left on the device while writing",
+                _OS_FIXES[errno.ENOSPC])
     if isinstance(e, OSError) and e.errno in _USER_ERRNOS:
         where = e.filename or ""
         what = e.strerror or str(e)
@@ -182,6 +192,19 @@ def _translate(e: BaseException) -> tuple[str, str] | None:
             return f"port in use: {what}{f' ({where})' if where else ''}", _OS_FIXES[e.errno]
         return f"{where}: {what}" if where else what, _OS_FIXES[e.errno]
     return None
+
+
+def _quiet_late_callbacks(hook=sys.unraisablehook):
+    """tensorstore calls back into orbax's event loop after a failed read or write has closed it,
+    and each such call prints a 'RuntimeError: Event loop is closed' traceback: noise after the
+    error that matters (a full disk, a damaged checkpoint), which the runner reports itself."""
+
+    def quiet(u):
+        if u.object is None and isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed":
+            return
+        hook(u)
+
+    return quiet
 
 
 def run(main, *, trains: bool = False) -> None:
@@ -217,4 +240,5 @@ def run(main, *, trains: bool = False) -> None:
     # tokenizer, compiled programs) hundreds of times a run: a warm-cache `launch.demo` mini run spent
     # 3.3 s of 48 s collecting (2,102 collections), 0.8 s with these (55). Timing only.
     gc.set_threshold(20_000, 20, 20)
+    sys.unraisablehook = _quiet_late_callbacks()
     app.run(guarded, flags_parser=parse_flags)

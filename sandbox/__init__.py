@@ -67,6 +67,15 @@ Protected against, and by what (several layers per threat where the kernel allow
   cell gets its own open file description (same flags and offset) for every regular file the
   holder has open, so a failed cell's reads, writes and seeks leave the holder's offsets as they
   were.
+- shared memory a failed cell wrote: holder and cell share the pages of every MAP_SHARED mapping,
+  so such a write outlives the discarded cell. Mappings of the session's files roll back with the
+  files (restored in place, above); anonymous shared memory is refused instead: seccomp fails
+  mmap with MAP_SHARED|MAP_ANONYMOUS, shmget/shmat and memfd_create with EPERM (so
+  `mmap.mmap(-1, n)`, MAP_SHARED by default, raises PermissionError; `flags=mmap.MAP_PRIVATE`
+  works), and Landlock opens /dev/zero read-only. Not rolled back instead because the holder
+  would have to list its mappings before every cell (/proc/self/maps: ~1.2 ms here, against
+  ~2.7 ms for a whole trivial cell) and copy them, and nothing cells use needs it
+  (multiprocessing keeps its shared memory in /dev/shm files).
 - leftovers: after every cell all processes of the session but the holder are killed; closing a
   session, or dropping it without close() (the pool holds sessions weakly), makes its anchor kill
   its pid-namespace init, which makes the kernel kill the rest; the zygote dies when the trainer
@@ -80,7 +89,7 @@ NOT protected against / limits:
   corrupt its interpreter through gc); that session then answers "crashed"/"timeout" or "session
   lost", others are unaffected.
 - a file the failed cell deleted or replaced comes back as a new inode (a held object keeps the
-  old one); xattrs and /dev/shm are not rolled back. File offsets are the cell's own (each cell
+  old one); xattrs and /dev/shm (its files and their shared mappings) are not rolled back. File offsets are the cell's own (each cell
   reopens the holder's regular files, see below) except for a file whose mode no longer lets it be
   opened so, and for pipes and sockets; flock() locks stay with the holder's descriptions.
 - the pid, mount, ipc and uts namespaces are required (the pool refuses to start without them);

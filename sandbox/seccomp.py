@@ -3,7 +3,9 @@
 Landlock and namespaces restrict *what* a cell reaches through the syscalls it has; this layer takes
 away whole syscall families whose mere presence is attack surface or a way around the other layers:
 kernel keyrings, ptrace and cross-process memory access, BPF, perf events, userfaultfd, io_uring
-(whose operations bypass seccomp), new namespaces and mounts, module and kexec loading. Socket
+(whose operations bypass seccomp), new namespaces and mounts, module and kexec loading, and shared
+memory outside the session's files (anonymous MAP_SHARED mmap, SysV segments, memfd), which a
+failed cell could write without the rollback undoing it (see the package docstring). Socket
 families other than AF_UNIX, AF_INET, AF_INET6 and route netlink (glibc's if_nameindex and
 getaddrinfo use it) fail with EAFNOSUPPORT; the filter decides on the family number alone and never
 opens such a socket itself (AF_VSOCK and the other virtualization channels are never probed).
@@ -41,16 +43,21 @@ DENIED_X86_64 = {
     "name_to_handle_at": 303, "open_by_handle_at": 304, "fanotify_init": 300,
     "lookup_dcookie": 212, "uselib": 134, "vhangup": 153, "settimeofday": 164,
     "clock_settime": 227, "adjtimex": 159, "clock_adjtime": 305,
+    # Shared memory that is not a file in the session's directory: a failed cell's writes to it
+    # would survive the rollback (see the package docstring); anonymous MAP_SHARED mmap below.
+    "shmget": 29, "shmat": 30, "memfd_create": 319, "memfd_secret": 447,
 }
-_NR_CLONE, _NR_CLONE3, _NR_SOCKET = 56, 435, 41
+_NR_CLONE, _NR_CLONE3, _NR_SOCKET, _NR_MMAP = 56, 435, 41, 9
+# mmap flags: MAP_SHARED and MAP_SHARED_VALIDATE both have bit 0 (MAP_PRIVATE is 0x02).
+_MAP_SHARED_ANONYMOUS = 0x01 | 0x20
 # clone() flags that make a namespace (CLONE_NEWTIME shares bits with the exit signal: left out;
 # it needs CAP_SYS_ADMIN in the caller's user namespace, which a user namespace would give).
 _CLONE_NS_FLAGS = 0x7E020000
 _AF_UNIX, _AF_INET, _AF_INET6, _AF_NETLINK, _NETLINK_ROUTE = 1, 2, 10, 16, 0
 
 _RET_KILL_PROCESS, _RET_ERRNO, _RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
-_LD_W_ABS, _JEQ_K, _JGE_K, _JSET_K, _RET_K = 0x20, 0x15, 0x35, 0x45, 0x06
-_OFF_NR, _OFF_ARCH, _OFF_ARG0, _OFF_ARG2 = 0, 4, 16, 32  # struct seccomp_data, little-endian
+_LD_W_ABS, _JEQ_K, _JGE_K, _JSET_K, _RET_K, _AND_K = 0x20, 0x15, 0x35, 0x45, 0x06, 0x54
+_OFF_NR, _OFF_ARCH, _OFF_ARG0, _OFF_ARG2, _OFF_ARG3 = 0, 4, 16, 32, 40  # struct seccomp_data, little-endian
 _SECCOMP_SET_MODE_FILTER, _NR_SECCOMP = 1, 317
 
 
@@ -77,6 +84,9 @@ def _program() -> list[tuple[int, int, int, int]]:
           (_JEQ_K, 5, 0, _AF_UNIX), (_JEQ_K, 4, 0, _AF_INET), (_JEQ_K, 3, 0, _AF_INET6),
           (_JEQ_K, 0, 3, _AF_NETLINK), (_LD_W_ABS, 0, 0, _OFF_ARG2),
           (_JEQ_K, 0, 1, _NETLINK_ROUTE), allow, no_family]
+    # Anonymous shared memory: pages the holder shares with its cell, which no rollback undoes.
+    p += [(_JEQ_K, 0, 5, _NR_MMAP), (_LD_W_ABS, 0, 0, _OFF_ARG3), (_AND_K, 0, 0, _MAP_SHARED_ANONYMOUS),
+          (_JEQ_K, 0, 1, _MAP_SHARED_ANONYMOUS), deny, allow]
     p.append(allow)
     return p
 

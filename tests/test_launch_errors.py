@@ -85,6 +85,12 @@ CASES = [
           "--config.data.buckets=((16,4,2),)", "--allow_config_change", "--workdir={tmp}/resumed"),
          ("no example fits a bucket", "--config.data.buckets", "step 1", "re-run the same command"),
          untouched=None, trained=True),
+    # issue 38: the disk fills during the step-2 save (a tmpfs with room for one checkpoint)
+    Case("sft-disk-full", "sft",
+         (*TRAIN_ARGS, "--config.data.jsonl={tmp}/syn/partly.jsonl", "--config.total_steps=2",
+          "--workdir={tmp}/full/wd"),
+         ("the disk is full: the checkpoint of step 2 was not written", "(step 1) is intact", "free disk space"),
+         untouched=None, trained=True),
 ]
 
 
@@ -134,6 +140,18 @@ def _write_inputs(tmp: str) -> None:
         f.write("a file, not a directory\n")
 
 
+def _small_disk(mount: str, workdir: str) -> bool:
+    """A tmpfs at `mount` holding a copy of `workdir` (one checkpoint) with 4 MiB to spare: not
+    room for another checkpoint (~13 MB). False where a tmpfs cannot be mounted (not root)."""
+    used = sum(os.lstat(os.path.join(r, n)).st_blocks * 512 for r, _, ns in os.walk(workdir) for n in ns)
+    os.makedirs(mount)
+    size = (used >> 20) + 4
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}m", "tmpfs", mount], capture_output=True).returncode:
+        return False
+    shutil.copytree(workdir, os.path.join(mount, "wd"), symlinks=True)
+    return True
+
+
 @pytest.fixture(scope="module")
 def table(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("bad_inputs"))
@@ -152,9 +170,17 @@ def table(tmp_path_factory):
         if case.id == "sft-midrun-no-bucket-fits":
             shutil.copytree(trained, fill("{tmp}/resumed"), symlinks=True)
             path = fill("{tmp}/resumed")
-        before = snapshot(path) if path else None
-        proc = _run(["-m", f"launch.{case.launcher}", *map(fill, case.args)])
-        return proc, before, snapshot(path) if path else None
+        if case.id == "sft-disk-full":
+            path = fill("{tmp}/full/wd")
+            if not _small_disk(fill("{tmp}/full"), trained):
+                return None, None, None
+        try:
+            before = snapshot(path) if path else None
+            proc = _run(["-m", f"launch.{case.launcher}", *map(fill, case.args)])
+            return proc, before, snapshot(path) if path else None
+        finally:
+            if case.id == "sft-disk-full":
+                subprocess.run(["umount", "-l", fill("{tmp}/full")], check=True)
 
     with ThreadPoolExecutor(max_workers=3) as pool:
         train = pool.submit(_run, ["-m", "launch.sft", *TRAIN_ARGS, f"--config.data.jsonl={tmp}/syn/partly.jsonl",
@@ -171,13 +197,20 @@ def table(tmp_path_factory):
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_user_error_exits_2_names_the_culprit_and_loses_nothing(table, case):
     proc, before, after = table["results"][case.id]
+    if proc is None:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
     err = proc.stderr
     assert proc.returncode == 2, f"status {proc.returncode}\n{err[-3000:]}"
     assert "Traceback" not in err, err[-3000:]
     for s in case.culprit:
         assert s.format(**table["subs"]) in err, f"{s!r} not in stderr:\n{err[-2000:]}"
     assert f"launch.{case.launcher}: error: " in err
-    if case.id == "sft-midrun-no-bucket-fits":
+    if case.id == "sft-disk-full":
+        # the step-1 checkpoint is intact and the partial step-2 one is gone
+        keep = {k: v for k, v in before.items() if k.startswith("checkpoints/")}
+        assert keep and {k for k in after if k.startswith("checkpoints/")} == set(keep)
+        assert {k: after.get(k) for k in keep} == keep
+    elif case.id == "sft-midrun-no-bucket-fits":
         # the checkpoint and the metrics written so far are untouched by the failed resume
         keep = {k: v for k, v in before.items() if k.startswith("checkpoints/") or k == "metrics.jsonl"}
         assert keep and any(k.startswith("checkpoints/1/") for k in keep)
@@ -199,7 +232,7 @@ def test_partly_malformed_data_trains_on_the_good_records_and_reports_the_bad_li
 
 
 RAISER = """
-import sys
+import os, sys
 from launch import runner
 from codedance_jax.errors import DataError
 
@@ -208,6 +241,16 @@ def main(argv):
         raise DataError("data.jsonl:3: bad_json", "one object per line")
     if sys.argv[-1] == "missing":
         open("/nonexistent_dir/x.json")
+    if sys.argv[-1] == "loop":
+        loop = os.path.join(os.path.dirname(__file__), "loop.json")
+        os.symlink(loop, loop)
+        open(loop)
+    if sys.argv[-1] == "full":  # how orbax reports a full disk from its writer threads
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError as e:
+            raise ValueError('RESOURCE_EXHAUSTED: Error writing "w/0" in OCDBT database at local file '
+                             '"/ckpt/2.orbax-checkpoint-tmp/": Failed writing') from e
     raise RuntimeError("a bug")
 
 runner.run(main)
@@ -216,7 +259,8 @@ runner.run(main)
 
 @pytest.mark.parametrize(
     "arg, flags, env, status, traceback",
-    [("user", [], {}, 2, False), ("missing", [], {}, 2, False), ("bug", [], {}, 1, True),
+    [("user", [], {}, 2, False), ("missing", [], {}, 2, False), ("loop", [], {}, 2, False), ("full", [], {}, 2, False),
+     ("bug", [], {}, 1, True),
      ("user", ["--verbose"], {}, 2, True), ("user", [], {"CODEDANCE_VERBOSE": "1"}, 2, True)],
 )
 def test_runner_sorts_user_errors_from_bugs(tmp_path, arg, flags, env, status, traceback):
@@ -226,7 +270,9 @@ def test_runner_sorts_user_errors_from_bugs(tmp_path, arg, flags, env, status, t
     assert proc.returncode == status, proc.stderr
     assert ("Traceback" in proc.stderr) == traceback, proc.stderr
     if status == 2:
-        expect = "data.jsonl:3: bad_json" if arg == "user" else "/nonexistent_dir/x.json: No such file or directory"
+        expect = {"user": "data.jsonl:3: bad_json", "missing": "/nonexistent_dir/x.json: No such file or directory",
+                  "loop": f"{tmp_path}/loop.json: Too many levels of symbolic links",
+                  "full": "/ckpt/2.orbax-checkpoint-tmp/: no space left on the device while writing"}[arg]
         assert f"raiser.py: error: {expect}" in proc.stderr
         assert "fix: " in proc.stderr
     else:

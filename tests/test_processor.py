@@ -372,6 +372,54 @@ def test_chat_template_variables_and_filters(ckpt_dirs, tmp_path):
     assert got == 'USER="<b>é</b> \\"quoted\\""<|im_end|>\n  A: x\n2<|endoftext|>GEN'
 
 
+
+# A text-only Qwen template (Qwen2.5-Instruct's shape): content is used as a string (`+`,
+# `.startswith`), never iterated as parts.
+TEXT_ONLY_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    "<|im_end|>\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' and message.content.startswith('<tool_response>') %}"
+    "{{- '<|im_start|>user\n' + message.content + '<|im_end|>\n' }}"
+    "{%- elif message.role == 'user' or (message.role == 'system' and not loop.first) or message.role == 'assistant' %}"
+    "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
+
+def test_string_and_list_content_templates_both_render(pair):
+    """A checkpoint whose template expects string content got list content from the server and
+    failed (issue 38: "'list object' has no attribute 'startswith'"). The template's content
+    format is detected (as vLLM does); a string template gets the parts joined, images as their
+    vision block, so both kinds of template put the same content in the same place."""
+    ours, ref = pair
+    as_parts = [
+        {"role": "system", "content": [{"type": "text", "text": "You are CodeDance."}]},
+        {"role": "user", "content": [{"type": "image", "image": "file:///a.png"}, {"type": "text", "text": "Crop it."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "<code>crop()</code>"}]},
+        {"role": "user", "content": [{"type": "text", "text": "<tool_response>"}, {"type": "image_url", "image_url": {}},
+                                     {"type": "text", "text": "done"}]},
+    ]
+    vision = "<|vision_start|><|image_pad|><|vision_end|>"
+    as_text = [{"role": "system", "content": "You are CodeDance."}, {"role": "user", "content": vision + "Crop it."},
+               {"role": "assistant", "content": "<code>crop()</code>"},
+               {"role": "user", "content": f"<tool_response>{vision}done"}]
+    for gen in (False, True):
+        want = ref.tokenizer.apply_chat_template(as_text, chat_template=TEXT_ONLY_TEMPLATE, add_generation_prompt=gen,
+                                                 tokenize=False)
+        for messages in (as_parts, as_text):
+            assert ours.apply_chat_template(messages, chat_template=TEXT_ONLY_TEMPLATE, add_generation_prompt=gen) == want
+        # the list template renders the parts itself, unchanged, into the same text
+        listed = ours.apply_chat_template(as_parts, add_generation_prompt=gen)
+        assert listed == ref.apply_chat_template(as_parts, add_generation_prompt=gen)
+        assert listed == want
+    from codedance_jax.processing import content_format
+
+    assert content_format.detect(TEXT_ONLY_TEMPLATE) == "string"
+    assert content_format.detect(QWEN25VL_CHAT_TEMPLATE) == "list"
+
+
 # ---- errors --------------------------------------------------------------------------------
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -14,10 +13,8 @@ from codedance_jax.model.config import ModelConfig
 
 def _source_dtype(src: str) -> str:
     if orbax_io.is_orbax_dir(src):
-        with open(os.path.join(src, orbax_io.MARKER)) as f:
-            return json.load(f).get("param_dtype", "float32")
-    with open(os.path.join(src, "config.json")) as f:
-        cfg = json.load(f)
+        return orbax_io.read_marker(src).get("param_dtype", "float32")
+    cfg = ModelConfig.read_hf_config(src)
     dt = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
     return {"bfloat16": "bfloat16", "float16": "float16"}.get(dt, "float32")
 

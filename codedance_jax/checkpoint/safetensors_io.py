@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator
 import ml_dtypes
 import numpy as np
 
+from codedance_jax import input_files
 from codedance_jax.errors import CheckpointError, MissingPathError
 
 DTYPES = {
@@ -25,6 +26,52 @@ DTYPES = {
 }
 NAMES = {v: k for k, v in DTYPES.items()}
 INDEX = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100 << 20  # the format's own limit (safetensors refuses larger headers)
+
+
+def read_header(fpath: str) -> dict[str, tuple[dict, int]]:
+    """{tensor name: (header entry, byte offset of the data section)} of one safetensors file.
+
+    Checked against the file before anything is mapped: a Git LFS pointer in place of the
+    weights, a header that is not JSON, and a file shorter than its header says (a copy that
+    stopped early) each raise `CheckpointError` naming the file, instead of a `MemoryError`
+    (an 8-byte length read from a text file) or an mmap `ValueError` on the first tensor."""
+    with input_files.open_binary(fpath) as f:
+        size = os.fstat(f.fileno()).st_size
+        raw = f.read(8)
+        if input_files.is_lfs_pointer(raw + f.read(len(input_files.LFS_POINTER) - 8)):
+            raise input_files.lfs_pointer_error(fpath)
+        if len(raw) < 8:
+            raise CheckpointError(f"{fpath}: truncated safetensors file ({size} bytes, no header)", input_files.RECOPY_FIX)
+        (n,) = struct.unpack("<Q", raw)
+        if n > min(size - 8, MAX_HEADER_BYTES):
+            raise CheckpointError(f"{fpath}: not a safetensors file or truncated: its first 8 bytes give a {n:,}-byte "
+                                  f"header, the file has {size:,} bytes", input_files.RECOPY_FIX)
+        f.seek(8)
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{fpath}: corrupt safetensors header ({e})", input_files.RECOPY_FIX) from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{fpath}: corrupt safetensors header (not a JSON object)", input_files.RECOPY_FIX)
+    base, end, out = 8 + n, 0, {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, stop = (int(x) for x in meta["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{fpath}: corrupt safetensors header (tensor {name}: {meta!r})",
+                                  input_files.RECOPY_FIX) from e
+        if not 0 <= start <= stop:
+            raise CheckpointError(f"{fpath}: corrupt safetensors header (tensor {name}: data_offsets {[start, stop]})",
+                                  input_files.RECOPY_FIX)
+        end = max(end, stop)
+        out[name] = (meta, base)
+    if base + end > size:
+        raise CheckpointError(f"{fpath}: truncated: {size:,} bytes, but its header describes {base + end:,} "
+                              f"({base + end - size:,} missing)", input_files.RECOPY_FIX)
+    return out
 
 
 class SafetensorsDir:
@@ -34,9 +81,9 @@ class SafetensorsDir:
         self.path = os.fspath(path)
         files = sorted(f for f in os.listdir(self.path) if f.endswith(".safetensors"))
         index_path = os.path.join(self.path, INDEX)
-        if os.path.exists(index_path):
-            with open(index_path) as f:
-                weight_map = json.load(f).get("weight_map", {})
+        if os.path.lexists(index_path):
+            index = input_files.read_json(index_path)
+            weight_map = (index.get("weight_map") if isinstance(index, dict) else None) or {}
             missing = sorted(set(weight_map.values()) - set(files))
             if missing:
                 raise MissingPathError(
@@ -47,18 +94,8 @@ class SafetensorsDir:
         self.entries: dict[str, tuple[str, dict, int]] = {}
         for fname in files:
             fpath = os.path.join(self.path, fname)
-            with open(fpath, "rb") as f:
-                raw = f.read(8)
-                if len(raw) < 8:
-                    raise CheckpointError(f"{fpath}: truncated safetensors file (no header); re-copy it.")
-                (n,) = struct.unpack("<Q", raw)
-                try:
-                    header = json.loads(f.read(n))
-                except json.JSONDecodeError as e:
-                    raise CheckpointError(f"{fpath}: corrupt safetensors header ({e}); re-copy the file.") from e
-            for name, meta in header.items():
-                if name != "__metadata__":
-                    self.entries[name] = (fpath, meta, 8 + n)
+            for name, (meta, base) in read_header(fpath).items():
+                self.entries[name] = (fpath, meta, base)
 
     def keys(self) -> list[str]:
         return list(self.entries)

@@ -9,12 +9,12 @@ checkpoints' `config.json` values, not the class defaults.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
 import jax.numpy as jnp
 
+from codedance_jax import input_files
 from codedance_jax.errors import CheckpointError, MissingPathError
 
 SUPPORTED_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel")
@@ -177,6 +177,27 @@ class ModelConfig:
         return cls(vision=VisionConfig(out_hidden_size=3584), text=TextConfig())
 
     # ------------------------------------------------------- HF config bridge
+    @staticmethod
+    def config_path(path: str | os.PathLike) -> str:
+        """`path/config.json` for a directory, else `path`."""
+        path = os.fspath(path)
+        return os.path.join(path, "config.json") if os.path.isdir(path) else path
+
+    @classmethod
+    def read_hf_config(cls, path: str | os.PathLike) -> dict[str, Any]:
+        """A checkpoint's `config.json` (directory or file) as a dict; a missing, unreadable or
+        non-JSON file is a one-line user error naming it."""
+        path = cls.config_path(path)
+        if not os.path.lexists(path):
+            raise MissingPathError(
+                f"{path}: no config.json. A Hugging Face Qwen2.5-VL checkpoint directory holds "
+                "config.json, *.safetensors and the tokenizer files."
+            )
+        cfg = input_files.read_json(path)
+        if not isinstance(cfg, dict):
+            raise CheckpointError(f"{path}: expected a JSON object, got {type(cfg).__name__}", input_files.RECOPY_FIX)
+        return cfg
+
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any] | str | os.PathLike, **overrides) -> ModelConfig:
         """Builds the config from a checkpoint's `config.json` (path, directory or parsed dict).
@@ -187,17 +208,8 @@ class ModelConfig:
         """
         where = "config dict"
         if not isinstance(cfg, dict):
-            path = os.fspath(cfg)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            where = path
-            if not os.path.exists(path):
-                raise MissingPathError(
-                    f"{path}: no config.json. A Hugging Face Qwen2.5-VL checkpoint directory holds "
-                    "config.json, *.safetensors and the tokenizer files."
-                )
-            with open(path) as f:
-                cfg = json.load(f)
+            where = cls.config_path(cfg)
+            cfg = cls.read_hf_config(where)
         archs = cfg.get("architectures") or []
         model_type = cfg.get("model_type")
         if model_type != "qwen2_5_vl" and not any(a in SUPPORTED_ARCHITECTURES for a in archs):

@@ -21,7 +21,6 @@ Videos are not supported (CodeDance works on images only); `grid_t` is always 1.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from codedance_jax import input_files
 from codedance_jax.errors import CheckpointError, MissingPathError
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -107,7 +107,7 @@ class ImageConfig:
         """Parse a preprocessor config dict; `source` names the file in error messages."""
 
         def err(field: str, msg: str) -> ValueError:
-            return ValueError(f"{source}: field '{field}' {msg}")
+            return CheckpointError(f"{source}: field '{field}' {msg}")
 
         kind = d.get("image_processor_type")
         if kind is not None and kind not in _KNOWN_TYPES:
@@ -176,17 +176,12 @@ class ImageConfig:
         file = os.fspath(path)
         if os.path.isdir(file):
             file = os.path.join(file, PREPROCESSOR_CONFIG)
-        if not os.path.isfile(file):
+        if not os.path.lexists(file):
             raise MissingPathError(
                 f"{file} not found: a Qwen2.5-VL checkpoint directory needs {PREPROCESSOR_CONFIG} "
                 "(min_pixels, max_pixels, patch_size, merge_size, temporal_patch_size, image_mean, image_std)"
             )
-        with open(file) as f:
-            try:
-                d = json.load(f)
-            except json.JSONDecodeError as e:
-                raise CheckpointError(f"{file} is not valid JSON: {e}") from e
-        return cls.from_dict(d, source=file)
+        return cls.from_dict(input_files.read_json(file), source=file)
 
     def to_dict(self) -> dict[str, Any]:
         """The preprocessor_config.json that transformers v4 and v5 both load to this config."""

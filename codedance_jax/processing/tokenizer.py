@@ -26,7 +26,9 @@ from typing import Any
 import numpy as np
 import tokenizers
 
+from codedance_jax import input_files
 from codedance_jax.errors import CheckpointError, MissingPathError
+from codedance_jax.processing import content_format
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -131,7 +133,7 @@ class Tokenizer:
                 self.special_tokens[name] = value
         for name, tok in self.special_tokens.items():
             if self.backend.token_to_id(tok) is None:
-                raise ValueError(
+                raise CheckpointError(
                     f"{TOKENIZER_CONFIG}: field '{name}' is {tok!r}, which is not in {TOKENIZER_FILE}'s vocabulary"
                 )
 
@@ -144,20 +146,23 @@ class Tokenizer:
         tok_file = os.path.join(path, TOKENIZER_FILE)
         cfg_file = os.path.join(path, TOKENIZER_CONFIG)
         for f in (tok_file, cfg_file):
-            if not os.path.isfile(f):
+            if not os.path.lexists(f):
                 raise MissingPathError(
                     f"{f} not found: the tokenizer needs {TOKENIZER_FILE} (the BPE model) and "
                     f"{TOKENIZER_CONFIG} (special tokens, pad token, chat template) in {path}"
                 )
+        with input_files.open_binary(tok_file) as f:
+            if input_files.is_lfs_pointer(f.read(len(input_files.LFS_POINTER))):
+                raise input_files.lfs_pointer_error(tok_file)
         try:
             backend = tokenizers.Tokenizer.from_file(tok_file)
         except Exception as e:
-            raise CheckpointError(f"{tok_file} could not be read by the tokenizers library: {e}") from e
-        with open(cfg_file) as f:
-            try:
-                config = json.load(f)
-            except json.JSONDecodeError as e:
-                raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from e
+            raise CheckpointError(f"{tok_file} could not be read by the tokenizers library: {e}",
+                                  input_files.RECOPY_FIX) from e
+        config = input_files.read_json(cfg_file)
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{cfg_file}: expected a JSON object, got {type(config).__name__}",
+                                  input_files.RECOPY_FIX)
         cls._add_config_tokens(backend, config, cfg_file)
         side = padding_side or config.get("padding_side") or "right"
         if side not in ("left", "right"):
@@ -311,7 +316,9 @@ class Tokenizer:
 
         Messages are dicts with `role` and `content` (a string or a list of `{"type": "text",
         "text": ...}` / `{"type": "image", ...}` items); keys whose value is None are dropped
-        first, as transformers does.
+        first, as transformers does. A template that expects string content (the text-only Qwen
+        templates) gets each list of parts joined into one string, images as their vision block
+        (`codedance_jax.processing.content_format`); transformers would fail there.
         """
         if isinstance(messages, (list, tuple)) and not messages:
             raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
@@ -320,7 +327,10 @@ class Tokenizer:
             if not isinstance(m, Mapping):
                 raise TypeError(f"chat messages must be dicts, got {m!r}")
             chat.append(_plain({k: v for k, v in m.items() if v is not None}))
-        template = _compile(self.resolve_chat_template(chat_template))
+        source = self.resolve_chat_template(chat_template)
+        template = _compile(source)
+        if content_format.detect(source) == "string":  # a text-only template: parts joined into strings
+            chat = content_format.to_string_content(chat)
         variables = _plain({**self.special_tokens, **kwargs})
         return template.render(
             messages=chat, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **variables
@@ -330,21 +340,24 @@ class Tokenizer:
 def _load_chat_template(path: str, config: dict) -> str | dict[str, str] | None:
     jinja_file = os.path.join(path, CHAT_TEMPLATE_JINJA)
     json_file = os.path.join(path, CHAT_TEMPLATE_JSON)
-    if os.path.isfile(jinja_file):
-        with open(jinja_file) as f:
-            return f.read()
-    if os.path.isfile(json_file):
-        with open(json_file) as f:
-            try:
-                tpl = json.load(f).get("chat_template")
-            except (json.JSONDecodeError, AttributeError) as e:
-                raise ValueError(f"{json_file}: expected a JSON object with a 'chat_template' string ({e})") from e
+    if os.path.lexists(jinja_file):
+        with input_files.open_binary(jinja_file) as f:
+            raw = f.read()
+        if input_files.is_lfs_pointer(raw):
+            raise input_files.lfs_pointer_error(jinja_file)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CheckpointError(f"{jinja_file}: not UTF-8 text ({e})", input_files.RECOPY_FIX) from e
+    if os.path.lexists(json_file):
+        obj = input_files.read_json(json_file)
+        tpl = obj.get("chat_template") if isinstance(obj, dict) else None
         if not isinstance(tpl, str):
-            raise ValueError(f"{json_file}: field 'chat_template' must be a string, got {type(tpl).__name__}")
+            raise CheckpointError(f"{json_file}: expected a JSON object with a 'chat_template' string")
         return tpl
     tpl = config.get("chat_template")
     if isinstance(tpl, list):  # [{"name": ..., "template": ...}, ...]
         return {t["name"]: t["template"] for t in tpl}
     if tpl is not None and not isinstance(tpl, str):
-        raise ValueError(f"{TOKENIZER_CONFIG}: field 'chat_template' must be a string or a list of named templates")
+        raise CheckpointError(f"{TOKENIZER_CONFIG}: field 'chat_template' must be a string or a list of named templates")
     return tpl

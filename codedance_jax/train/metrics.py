@@ -9,19 +9,39 @@ import time
 
 import jax
 
+from codedance_jax.errors import DataError
+
 
 def drop_rows_after(path: str, step: int, step_of=lambda row: row.get("step", 0)) -> int:
     """Removes the rows of `path` (JSON lines; `step_of(row)` their step) past `step`; returns how many.
 
     A run resumed from the checkpoint at `step` recomputes every later step, so rows written after
-    that checkpoint (by a run killed before its next save) would be duplicates. The file is
-    rewritten whole and renamed into place, so a kill here leaves the old or the new file."""
+    that checkpoint (by a run killed before its next save) would be duplicates. A last line that a
+    crash tore in the middle of its write (no newline, not JSON) is dropped with them; a complete
+    last row that lost only its newline gets it back. Any other line that is not JSON is someone
+    else's edit: a `DataError` naming the line. The file is rewritten whole and renamed into
+    place, so a kill here leaves the old or the new file."""
     if not os.path.exists(path):
         return 0
-    with open(path) as f:
-        lines = f.readlines()
-    keep = [x for x in lines if not x.strip() or step_of(json.loads(x)) <= step]
-    if len(keep) == len(lines):
+    with open(path, "rb") as f:
+        parts = f.read().decode("utf-8", "replace").split("\n")
+    lines = [p + "\n" for p in parts[:-1]] + [parts[-1]] * bool(parts[-1])
+    keep = []
+    for n, line in enumerate(lines, start=1):
+        torn = n == len(lines) and not line.endswith("\n")
+        if not line.strip():
+            keep.append(line)
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if torn:
+                continue
+            raise DataError(f"{path}:{n}: not a JSON row ({e.msg})",
+                            "the file was edited: fix or delete that line, then re-run to resume") from e
+        if step_of(row) <= step:
+            keep.append(line + "\n" if torn else line)
+    if keep == lines:
         return 0
     with open(path + ".tmp", "w") as f:
         f.writelines(keep)

@@ -1,5 +1,7 @@
 """The JSONL format: validation of every malformed kind, observation rendering, chat rendering."""
 
+import json
+
 import pytest
 from data_helpers import multi_turn_record, write_jsonl, write_png
 
@@ -100,3 +102,23 @@ def test_render_equals_chat_template_and_contains_observation(tmp_path, processo
     # From the end of the code turn to the next assistant header: exactly the rollout string.
     assert m[1].content + observation.render_observation(m[2].content, 1, fmt) + m[3].content in rendered.text
     assert [rendered.text[a:b] for a, b in rendered.spans] == [m[1].content + "<|im_end|>", m[3].content + "<|im_end|>"]
+
+
+def test_binary_lines_are_counted_as_bad_records_by_the_build(tmp_path):
+    """A JSONL file with binary lines (a PNG pasted in, bytes that are not UTF-8) builds from its
+    good records and reports the rest (issue 38); it used to end in a UnicodeDecodeError inside TFDS."""
+    from data import sft_tfds
+
+    write_png(str(tmp_path / "img/q.png"), 60, 80, 0)
+    write_png(str(tmp_path / "img/crop.png"), 56, 56, 1)
+    path = write_jsonl(tmp_path / "t.jsonl", [multi_turn_record("a"), multi_turn_record("b")])
+    png = (tmp_path / "img/q.png").read_bytes()
+    with open(path, "ab") as f:
+        f.write(b'{"id": "c\xff\xfe", "images": []}\n')  # JSON-looking, but not UTF-8
+        f.write(png.replace(b"\n", b"").replace(b"\r", b"") + b"\n")  # one binary line
+        f.write(json.dumps(multi_turn_record("d")).encode() + b"\n")
+    report = sft_tfds.build_dataset([path], str(tmp_path / "tfds"), "bin")
+    assert report.num_ok == 3 and dict(report.counts) == {"bad_encoding": 2}, report.summary()
+    assert [(p.line, p.kind) for p in report.problems] == [(3, "bad_encoding"), (4, "bad_encoding")]
+    assert "t.jsonl:3: bad_encoding: byte 0xff at column 10 is not UTF-8" in report.summary()
+    assert len(sft_tfds.open_source(str(tmp_path / "tfds"), "bin")) == 3

@@ -5,7 +5,9 @@ import json
 import os
 
 import numpy as np
+import pytest
 
+from codedance_jax.errors import DataError
 from codedance_jax.train.metrics import MetricWriter, drop_rows_after
 
 
@@ -42,3 +44,27 @@ def test_drop_rows_after_reads_the_step_through_step_of(tmp_path):
     assert [json.loads(x)["policy"][-6:] for x in open(path)] == ["step_0", "step_1"]
     assert drop_rows_after(path, 2, step_of=lambda r: 0) == 0
     assert drop_rows_after(os.path.join(tmp_path, "absent.jsonl"), 0) == 0
+
+
+def test_a_torn_last_row_is_dropped_on_resume(tmp_path):
+    """A crash in the middle of a row's write leaves half a JSON line without its newline
+    (issue 38): the resume drops it and appends after the last whole row; a last row that lost
+    only its newline is kept and gets one; a broken row elsewhere is named, file and line."""
+    path = os.path.join(tmp_path, "metrics.jsonl")
+    rows = [json.dumps({"step": s, "loss": float(x)}) for s, x in enumerate(np.random.default_rng().normal(size=3), 1)]
+    with open(path, "w") as f:
+        f.write("\n".join(rows) + "\n" + rows[2][: len(rows[2]) // 2].replace('"step": 3', '"step": 4'))
+    w = MetricWriter(str(tmp_path), tensorboard=False, start=3)
+    w.write(4, {"loss": 1.0})
+    w.close()
+    assert _steps(path) == [1, 2, 3, 4]
+    assert open(path).read().startswith("\n".join(rows) + "\n")
+
+    with open(path, "w") as f:
+        f.write("\n".join(rows))  # whole, only the last newline lost
+    assert drop_rows_after(path, 3) == 0 and open(path).read() == "\n".join(rows) + "\n"
+
+    with open(path, "w") as f:
+        f.write(rows[0] + "\n" + rows[1][:9] + "\n" + rows[2] + "\n")
+    with pytest.raises(DataError, match=r"metrics\.jsonl:2: not a JSON row"):
+        drop_rows_after(path, 3)
