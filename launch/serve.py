@@ -18,9 +18,10 @@ foreign Host names are refused; bodies, headers and images are bounded. Beyond l
 import os
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from codedance_jax.serve import ServeConfig, StartError, serve
+from launch import runner
 
 flags.DEFINE_string("checkpoint", None, "Converted (launch.convert) or Hugging Face Qwen2.5-VL checkpoint directory.")
 flags.DEFINE_string("host", "127.0.0.1", "Interface to listen on (0.0.0.0 for every interface: needs --api_key "
@@ -70,4 +71,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    runner.run(main)  # a broken checkpoint is one line and exit 2, as in every launcher

@@ -147,12 +147,19 @@ def test_a_launcher_says_it_in_one_line_with_status_2(ckpts, tmp_path):
         runs.append((culprit, out, subprocess.Popen(
             [sys.executable, "-m", "launch.convert", f"--src={d}", f"--dst={out}"], cwd=REPO, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
-    for culprit, out, proc in runs:
+    # The server loads through the same path (before it binds a port).
+    d, culprit, _ = config_not_json(ckpts, str(tmp_path / "serve"))
+    serve = subprocess.Popen([sys.executable, "-m", "launch.serve", f"--checkpoint={d}", "--port=0"], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for culprit_, out, proc in runs:
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 2, err[-3000:]
         assert "Traceback" not in err, err[-3000:]
-        assert f"launch.convert: error: {culprit}: " in err and "  fix: " in err
+        assert f"launch.convert: error: {culprit_}: " in err and "  fix: " in err
         assert not os.path.exists(out)
+    _, err = serve.communicate(timeout=300)
+    assert serve.returncode == 2 and "Traceback" not in err, err[-3000:]
+    assert f"launch.serve: error: {culprit}: " in err and "  fix: " in err, err[-3000:]
 
 
 # ---- a full disk during a checkpoint save ------------------------------------------------------
