@@ -19,9 +19,12 @@ One step, each stage a function of `runs/grpo_stages.py` with a typed result:
 Before step 1, optionally (`config.data.filter_pass`): the difficulty filter keeps the RL prompts
 the initial policy sometimes answers correctly (`filter_prompts`).
 Setup (model, initial weights, state, checkpointer, metric writer, jit caches) is `runs.setup`'s,
-shared with SFT. Rollouts run on the training mesh's parameters (one process). With several
-processes each host rolls out its share of the prompts with a host-local copy of the parameters,
-the R_BAT statistics are taken over all hosts' trajectories, and the update runs on the global mesh.
+shared with SFT. Each process rolls out its share of the prompts on its sampling mesh
+(`config.rollout.mesh_data` of its own devices, all by default: rows split over `data`, the policy
+replicated over it, placed device to device each step), the R_BAT statistics are taken over all
+hosts' trajectories, and the update runs on the global mesh. Each step's rollout stats, with the
+placement (`sampling_devices`, `sampling_mesh`), go to WORKDIR/rollout_stats.jsonl (process h > 0:
+rollout_stats.host<h>.jsonl).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from codedance_jax.errors import ConfigError
 from codedance_jax.rl import GRPOLossConfig, RBATConfig, selection
 from codedance_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig
 from codedance_jax.rollout.buckets import CompileCounter
+from codedance_jax.rollout.placement import sampling_mesh
 from codedance_jax.train import optim, run_record
 from codedance_jax.train.batching import check_buckets
 from codedance_jax.train.metrics import drop_rows_after
@@ -113,6 +117,20 @@ def rollout_config(config, *, evaluation: bool = False) -> RolloutConfig:
     return RolloutConfig.from_block(config.rollout)
 
 
+def rollout_mesh(config) -> jax.sharding.Mesh:
+    """The host's sampling mesh: `config.rollout.mesh_data` of this process's own devices (-1: all)
+    on `data`, checked against `rollout.batch_multiple` (the engine splits every row bucket over it)."""
+    sm = sampling_mesh(int(config.rollout.get("mesh_data", -1)))
+    n, multiple = sm.shape["data"], int(config.rollout.batch_multiple)
+    if multiple % n:
+        raise ConfigError(f"config.rollout.batch_multiple={multiple} is not a multiple of the sampling mesh's "
+                          f"{n} devices (config.rollout.mesh_data={config.rollout.get('mesh_data', -1)}): the "
+                          "rollout rows could not be split over them",
+                          f"set config.rollout.batch_multiple to a multiple of {n}, or config.rollout.mesh_data "
+                          f"to a divisor of {multiple}")
+    return sm
+
+
 def prepare_files(config, workdir: str) -> dict:
     """Process 0 builds the prompt datasets (and the toy world when asked); all wait at a barrier.
     Returns the paths the run reads."""
@@ -156,6 +174,7 @@ def open_context(config, workdir: str, run_setup) -> tuple[GRPOContext, setup.Ru
     from sandbox import PoolThread
 
     rules, mesh = setup.sharding_rules(config), setup.make_mesh(config)
+    sampler_mesh = rollout_mesh(config)
     budget = int(config.rollout.max_new_tokens)  # config errors before any work
     rb_cfg, loss_cfg = rbat_config(config.rbat, max_new_tokens=budget), loss_config(config.loss, max_new_tokens=budget)
     filter_config(config)
@@ -181,6 +200,7 @@ def open_context(config, workdir: str, run_setup) -> tuple[GRPOContext, setup.Ru
         for name in os.listdir(workdir):
             if name.startswith("trajectories") and name.endswith(".jsonl"):
                 drop_rows_after(os.path.join(workdir, name), run.start, step_of=lambda r: record_step(r) or 0)
+    drop_rows_after(os.path.join(workdir, stats_file()), run.start)  # each process its own
     ref_params = run.initial_params
     source = rl_prompts.open_prompts(files["tfds_dir"], config.data.name)
     eval_prompts = []
@@ -191,15 +211,15 @@ def open_context(config, workdir: str, run_setup) -> tuple[GRPOContext, setup.Ru
     exporter = run_setup.enter_context(BackgroundExport())  # closed (joined) before the run's files
     pool = run_setup.enter_context(PoolThread(num_workers=config.sandbox.num_workers,
                                               timeout_s=config.sandbox.timeout_s, memory_mb=config.sandbox.memory_mb))
-    model = rollout_model(run.mdef, run.state.params, mesh)
+    model = rollout_model(run.mdef, run.state.params, sampler_mesh)
     engine = RolloutEngine(model, processor, dataclasses.replace(rollout_config(config), policy=policy_path(workdir)),
                            SamplingConfig(temperature=config.rollout.temperature, top_p=config.rollout.top_p,
-                                          top_k=config.rollout.top_k, seed=config.seed))
+                                          top_k=config.rollout.top_k, seed=config.seed), mesh=sampler_mesh)
     eval_engine = RolloutEngine(model, processor, rollout_config(config, evaluation=True),
-                                SamplingConfig(greedy=True, seed=config.seed))
+                                SamplingConfig(greedy=True, seed=config.seed), mesh=sampler_mesh)
     ctx = GRPOContext(config, workdir, processor, cfg, mesh, rules, tx, sched, rb_cfg, loss_cfg,
                       buckets, source, rl_prompts.PromptSchedule(len(source), config.prompts_per_step, config.seed),
-                      engine, pool, rows, exporter, ref_params)
+                      engine, pool, rows, exporter, ref_params, sampling_mesh=sampler_mesh)
     return ctx, run, eval_engine, eval_prompts
 
 
@@ -263,6 +283,19 @@ def filter_prompts(ctx: GRPOContext, run: setup.Run) -> GRPOContext:
                                schedule=rl_prompts.PromptSchedule(len(kept), ctx.config.prompts_per_step, ctx.config.seed))
 
 
+def stats_file() -> str:
+    """This process's rollout stats file in the workdir: one JSON row per step (`write_rollout_stats`)."""
+    h = jax.process_index()
+    return "rollout_stats.jsonl" if h == 0 else f"rollout_stats.host{h}.jsonl"
+
+
+def write_rollout_stats(workdir: str, step: int, stats) -> None:
+    """Appends this process's rollout stats of `step` (the metrics row's step): timings and counts
+    (`RolloutStats.as_dict`), and where it ran: `sampling_devices`, `sampling_mesh`."""
+    with open(os.path.join(workdir, stats_file()), "a") as f:
+        f.write(json.dumps({"step": step, "host": jax.process_index(), **stats.as_dict()}) + "\n")
+
+
 def policy_path(workdir: str) -> str:
     return os.path.join(workdir, "policy")
 
@@ -274,7 +307,7 @@ def run_evaluation(ctx: GRPOContext, run: setup.Run, engine: RolloutEngine, prom
     if not prompts:
         return None
     t0 = time.perf_counter()
-    engine.set_model(rollout_model(run.mdef, run.state.params, ctx.mesh))
+    engine.set_model(rollout_model(run.mdef, run.state.params, ctx.sampling_mesh))
     res = evaluate(engine, prompts, ctx.pool, batch=int(ctx.config.eval.batch), keys=tuple(ctx.config.metric_keys))
     summary = {f"eval/{k}": v for k, v in res.summary.items()}
     summary["eval/time_s"] = time.perf_counter() - t0
@@ -350,6 +383,7 @@ def train_step(ctx: GRPOContext, run: setup.Run, step: int, ckpt_s: float = 0.0)
     row["compilations"] = float(CompileCounter.total() - c0)
     row["step_time_s"] = time.perf_counter() - t_step
     run.writer.write(step + 1, row)
+    write_rollout_stats(ctx.workdir, step + 1, rollouts.stats)
     if ctx.host == 0 and ((step + 1) % config.log_every == 0 or step + 1 == config.total_steps):
         print(run.progress.line(step + 1, {"acc": row["accuracy"], "turns": row["avg_turns"],
                                            "tool_rate": row["tool_rate"], "pg_loss": update.metrics.get("pg_loss", 0.0),

@@ -10,10 +10,10 @@
     update   -> Update          one jitted, sharded GRPO update; the old policy's log-probs are its
                                 own forward's (one update per batch), checked against the sampler's
 
-`GRPOContext` holds what every step reads (configs, mesh, engine, prompt source, caches). With
-several processes each host rolls out its share of the prompts with a host-local copy of the
-parameters; R_BAT statistics are taken over all hosts' trajectories (allgather) and the update
-runs on the global mesh.
+`GRPOContext` holds what every step reads (configs, mesh, engine, prompt source, caches). Each host
+rolls out its share of the prompts on its sampling mesh (its own devices, rows split over `data`,
+the parameters replicated over it: `rollout_model`); R_BAT statistics are taken over all hosts'
+trajectories (allgather) and the update runs on the global mesh.
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from codedance_jax.model.config import ModelConfig
 from codedance_jax.rl import GRPOLossConfig, RBATConfig, rbat_advantages, rbat_rewards, scoring, selection
 from codedance_jax.rollout import RolloutEngine, RolloutStats, Trajectory, rl_prompt, save_jsonl
+from codedance_jax.rollout.placement import sampling_params
 from codedance_jax.train import grpo, rl_batch, sft
 from codedance_jax.train.batching import Bucket, max_bucket_across_hosts
 from runs import setup
@@ -58,6 +59,9 @@ class GRPOContext:
     exporter: Any  # checkpoint.background.BackgroundExport: the sampling policies of save_trajectories
     ref_params: Any = None  # the frozen reference (KL on)
     lp_fns: setup.StepCache = dataclasses.field(default_factory=setup.StepCache)
+    # The host's sampling mesh (`config.rollout.mesh_data` of its local devices) the engines run on;
+    # None: the trainer's arrays as they are (tests that build a context by hand).
+    sampling_mesh: Any = None
 
     @property
     def group_size(self) -> int:
@@ -141,14 +145,14 @@ def host_slice(global_arr: np.ndarray, n_local: int) -> np.ndarray:
     return global_arr[i * n_local : (i + 1) * n_local]
 
 
-def rollout_model(mdef, params, mesh):
-    """The policy as a module for the rollout engine: the training arrays themselves on one
-    process; a host-local replicated copy (on this host's first device) with several processes."""
-    if jax.process_count() == 1:
+def rollout_model(mdef, params, sampling_mesh=None):
+    """The policy as a module for the rollout engine: the trainer's parameters placed for the host's
+    sampling mesh (`rollout.placement.sampling_params`: replicated over this host's devices, moved
+    device to device; with several processes all-gathered over the global mesh first). Without a
+    sampling mesh, the trainer's arrays themselves."""
+    if sampling_mesh is None:
         return mdef.model(params)
-    gathered = jax.jit(lambda p: p, out_shardings=NamedSharding(mesh, PartitionSpec()))(params)
-    local = jax.tree.map(lambda x: jax.device_put(x.addressable_data(0), jax.local_devices()[0]), gathered)
-    return mdef.model(local)
+    return mdef.model(sampling_params(params, sampling_mesh))
 
 
 # ----------------------------------------------------------------------------------- stages
@@ -163,7 +167,7 @@ def step_prompts(ctx: GRPOContext, step: int) -> StepPrompts:
 
 def rollout(ctx: GRPOContext, run: setup.Run, sp: StepPrompts, step: int) -> Rollouts:
     """group_size samples of each prompt with the current policy; sampling keys follow from the step."""
-    policy_model = rollout_model(run.mdef, run.state.params, ctx.mesh)
+    policy_model = rollout_model(run.mdef, run.state.params, ctx.sampling_mesh)
     ctx.engine.set_model(policy_model)
     fmt = ctx.config.rollout.turn_format
     ps = [rl_prompt(ctx.processor, f"{p.id}@{step}", p.question, p.images, fmt) for p in sp.prompts]
@@ -234,7 +238,7 @@ def pass_counts(ctx: GRPOContext, run: setup.Run, k: int) -> np.ndarray:
     n = len(ctx.source)
     share = -(-n // ctx.hosts)
     mine = list(range(ctx.host * share, min(n, (ctx.host + 1) * share)))
-    ctx.engine.set_model(rollout_model(run.mdef, run.state.params, ctx.mesh))
+    ctx.engine.set_model(rollout_model(run.mdef, run.state.params, ctx.sampling_mesh))
     fmt = ctx.config.rollout.turn_format
     counts = np.zeros(share, np.int32)  # this host's share, padded to equal length for the allgather
     chunk = max(1, int(ctx.config.prompts_per_step) // ctx.hosts)

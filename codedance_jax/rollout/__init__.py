@@ -8,7 +8,8 @@
 Files: sampler.py (jit decode loop, sampling, stop table), engine.py (the turn loop and its per-call
 RolloutState), rows.py (a batch row and its Phase), device_batch.py (the KV cache / logits of a
 static batch of rows: row buckets, placement, growth and compaction; shared with
-`codedance_jax.serve`), sandbox_turns.py (sandbox sessions, cells, observations), config.py (its
+`codedance_jax.serve`), placement.py (a host's sampling mesh and the policy placed for it),
+sandbox_turns.py (sandbox sessions, cells, observations), config.py (its
 budgets and buckets, RolloutConfig; its accounting, RolloutStats), turns.py (code
 extraction, observations), record.py (trajectory records, JSON lines), prompts.py (RL prompts; their text is `codedance_jax.protocol`),
 buckets.py (shape buckets, compile counter).

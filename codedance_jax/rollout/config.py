@@ -55,9 +55,10 @@ class RolloutConfig:
     @classmethod
     def from_block(cls, block, *, evaluation: bool = False, **overrides) -> RolloutConfig:
         """From a run config's `rollout` block (sequences as tuples). Its sampling fields belong to
-        `SamplingConfig`; any other unknown field is an error, as a misspelt override should be."""
+        `SamplingConfig` and `mesh_data` to the engine's mesh (`placement.sampling_mesh`); any other
+        unknown field is an error, as a misspelt override should be."""
         r = {k: tuple(v) if isinstance(v, list | tuple) else v for k, v in dict(block).items()
-             if k not in ("temperature", "top_p", "top_k")}
+             if k not in ("temperature", "top_p", "top_k", "mesh_data")}
         return (cls.eval if evaluation else cls.train)(**{**r, **overrides})
 
     @property
@@ -92,6 +93,8 @@ class RolloutStats:
     rollbacks: int = 0
     compiles: int = 0
     row_shardings: dict | None = None  # PartitionSpec of the cache / logits at the end (`RolloutEngine(mesh=)`)
+    sampling_devices: int = 0  # devices the rollout's cache and parameters lived on (`placement.placement_record`)
+    sampling_mesh: dict | None = None  # {axis: size} of the engine's mesh; None without one
 
     @property
     def device_idle_frac(self) -> float:

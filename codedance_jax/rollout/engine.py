@@ -38,6 +38,9 @@ Placement: `RolloutEngine(..., mesh=)` with a mesh whose `data` axis spans sever
 every array with a row dimension (cache, logits, chunk inputs) over `data`
 (`device_batch.RowPlacement`); rows are independent, so the trajectories are those of the unsplit
 batch. `rollout.batch_multiple` must then be a multiple of the data size (every row bucket is).
+The GRPO loop's engine runs on a host's sampling mesh with the policy replicated over it
+(`placement.py`). Each call records its placement in its stats: `sampling_devices` (the devices
+its cache and parameters lived on) and `sampling_mesh` (the mesh's {axis: size}).
 
 The last allowed turn's code is still executed (its status is part of the R_BAT signal) but
 nothing is appended after it (`finish_reason="max_turns"`).
@@ -65,6 +68,7 @@ from codedance_jax.rollout import turns as turn_lib
 from codedance_jax.rollout.buckets import CompileCounter, round_up, token_bucket, vision_bucket
 from codedance_jax.rollout.config import RolloutConfig, RolloutStats
 from codedance_jax.rollout.device_batch import DeviceBatch, RowPlacement, row_subset
+from codedance_jax.rollout.placement import placement_record
 from codedance_jax.rollout.prompts import Prompt, session_files
 from codedance_jax.rollout.record import Trajectory, split_vision
 from codedance_jax.rollout.rows import Phase, Row, pad_row, trajectory_rows
@@ -98,6 +102,7 @@ class RolloutEngine:
         # data = 1) arrays are left where jit puts them, as before.
         self.placement = RowPlacement(mesh)
         self.mesh = self.placement.mesh
+        self.given_mesh = mesh  # recorded in the stats (`sampling_mesh`), data = 1 included
         if self.mesh is not None and self.cfg.batch_multiple % self.mesh.shape["data"]:
             raise ConfigError(
                 f"rollout batch_multiple={self.cfg.batch_multiple} is not a multiple of the mesh's data axis "
@@ -180,6 +185,8 @@ class RolloutEngine:
         stats.generated_tokens = sum(int(np.sum(r.traj.loss_mask)) for r in rows)
         stats.compiles = CompileCounter.total() - start_compiles
         stats.row_shardings = st.batch.shardings()
+        for k, v in placement_record(self.given_mesh, (st.batch.cache, self.sampler.state)).items():
+            setattr(stats, k, v)
         self.last_batch = st.batch
         return [r.traj for r in rows], stats
 

@@ -105,6 +105,23 @@ def test_grpo_tiny_on_222_mesh(reference_run):
     assert os.path.exists(os.path.join(workdir, "policy", "codedance.json"))
 
 
+def _stats(workdir, name="rollout_stats.jsonl"):
+    return [json.loads(x) for x in open(os.path.join(workdir, name))]
+
+
+def test_rollouts_split_over_every_device(reference_run):
+    """config.rollout.mesh_data = -1: each step's rollout splits its rows over all 8 devices, the
+    policy replicated on each (WORKDIR/rollout_stats.jsonl, one row per step)."""
+    from jax.sharding import PartitionSpec
+
+    workdir, _ = reference_run
+    stats = _stats(workdir)
+    assert [s["step"] for s in stats] == [1, 2, 3] and all(s["host"] == 0 for s in stats)
+    for s in stats:
+        assert s["sampling_devices"] == 8 and s["sampling_mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}, s
+        assert s["row_shardings"]["cache.k"] == str(PartitionSpec("data")) and s["trajectories"] == 16, s
+
+
 def test_trajectory_records_reproduce_with_their_policy(reference_run):
     """SPEC section 2: one full forward of `policy` over `tokens` gives `logprobs` on sampled tokens."""
     import codedance_jax
@@ -176,6 +193,11 @@ def test_two_processes_equal_one_and_resume_after_sigkill(reference_run, tmp_pat
 
     ref, got = _rows(reference_run[0]), _rows(mp)
     assert sorted(got) == [1, 2]
+    # Each process rolled out on its own 4 devices; the resumed run dropped the rows past step 1.
+    for host, name in enumerate(("rollout_stats.jsonl", "rollout_stats.host1.jsonl")):
+        stats = _stats(mp, name)
+        assert [(s["step"], s["host"], s["sampling_devices"], s["trajectories"]) for s in stats] == [
+            (1, host, 4, 8), (2, host, 4, 8)], stats
     for step in (1, 2):
         _assert_same_step(got, ref, step)
     # Something was compared: non-zero advantages and gradients in at least one step.
