@@ -6,6 +6,8 @@ Generates the toy world (expert trajectories executed in the sandbox), trains a 
 Qwen2.5-VL with SFT, evaluates it on held-out items, trains it further with GRPO and the R_BAT
 reward, evaluates again, and writes WORKDIR/report/ (report.md, report.html, plots, summary.json).
 Re-running with the same workdir skips finished phases and resumes training from checkpoints.
+--stop_after=sft_eval ends after the SFT policy's evaluations and writes WORKDIR/calibration.md:
+per family x difficulty, greedy beside sampled accuracy, pass@k and tool use (what RL can fix).
 """
 
 from absl import flags, logging
@@ -16,6 +18,8 @@ from launch import runner
 
 config_flags.DEFINE_config_file("config", "configs/demo.py", "configs/demo.py[:default|mini]", lock_config=False)
 flags.DEFINE_string("workdir", "/tmp/codedance_demo", "Where the world, checkpoints, evaluations and the report go.")
+flags.DEFINE_enum("stop_after", None, ["world", "sft", "sft_eval"],
+                  "End after this phase: sft_eval calibrates a world (WORKDIR/calibration.md) before any RL.")
 
 
 def main(argv):
@@ -24,7 +28,7 @@ def main(argv):
     compile_cache.enable()  # re-runs and ablations reuse compiled steps (CODEDANCE_COMPILATION_CACHE=off disables)
     from runs.demo.pipeline import run
 
-    run(flags.FLAGS.config, flags.FLAGS.workdir)
+    run(flags.FLAGS.config, flags.FLAGS.workdir, stop_after=flags.FLAGS.stop_after)
 
 
 if __name__ == "__main__":

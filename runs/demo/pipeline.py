@@ -146,8 +146,35 @@ def _read_jsonl(path: str) -> list[dict]:
         return [json.loads(x) for x in f if x.strip()]
 
 
-def run(c, workdir: str) -> dict:
-    """Runs every phase (skipping finished ones) and returns the report's summary."""
+STOPS = ("world", "sft", "sft_eval")
+
+
+def write_calibration(c, workdir: str) -> dict | None:
+    """The SFT policy per cell, greedy beside sampled (`eval.calibration`), to WORKDIR/calibration.{md,json};
+    None without a sampled evaluation."""
+    from eval import calibration
+
+    if c.eval.samples <= 0:
+        return None
+    recs = {n: _read_jsonl(os.path.join(workdir, f"eval_{n}", "trajectories.jsonl")) for n in ("sft", "sft_sampled")}
+    table = calibration.cells(recs["sft"], recs["sft_sampled"])
+    md = calibration.markdown(table)
+    with open(os.path.join(workdir, "calibration.md"), "w") as f:
+        f.write("# The SFT policy per cell: what RL can fix\n\n" + md)
+    with open(os.path.join(workdir, "calibration.json"), "w") as f:
+        json.dump({"cells": table, "learnable": [k for k, r in table.items() if calibration.learnable(r)]}, f,
+                  indent=2)
+    print(md, flush=True)
+    return table
+
+
+def run(c, workdir: str, stop_after: str | None = None) -> dict:
+    """Runs every phase (skipping finished ones) and returns the report's summary.
+
+    stop_after: "world", "sft" or "sft_eval" ends there (a world's calibration: world, SFT and the SFT
+    policy's evaluations with WORKDIR/calibration.md) and returns the evaluations' summaries."""
+    if stop_after is not None and stop_after not in STOPS:
+        raise ValueError(f"stop_after={stop_after!r}: one of {STOPS}")
     from runs import grpo as grpo_run
     from runs import sft as sft_run
     from runs.demo.report import write_report
@@ -165,6 +192,8 @@ def run(c, workdir: str) -> dict:
     _log("1/5 toy world: generating tasks and running the expert's code in the sandbox")
     world = make_world(c, workdir)
     timings["world"] = time.perf_counter() - t0
+    if stop_after == "world":
+        return {"world": world}
 
     t0 = time.perf_counter()
     sft_dir = os.path.join(workdir, "sft")
@@ -173,11 +202,16 @@ def run(c, workdir: str) -> dict:
         _log(f"2/5 SFT: {c.sft.total_steps} steps, batch {c.sft.batch_size}, from random init")
         sft_run.train_and_evaluate(sft_config(c, workdir), sft_dir)
     timings["sft"] = time.perf_counter() - t0
+    if stop_after == "sft":
+        return {"world": world}
 
     evals = {}
     with _pool(c) as pool:
         _log("3/5 evaluating the SFT policy on the held-out split")
         evals.update(_evaluate_phase(c, workdir, "sft", sft_policy, pool, timings))
+    write_calibration(c, workdir)
+    if stop_after == "sft_eval":
+        return {"world": world, **evals}
 
     t0 = time.perf_counter()
     grpo_dir = os.path.join(workdir, "grpo")

@@ -56,9 +56,20 @@ def test_demo_mini_writes_the_report(tmp_path):
     assert all(r["kl_k3"] >= 0 and math.isfinite(r["kl_k1"]) and r["tokens"] > 0 for r in summary["policy_drift"])
     assert "KL(sampling policy || SFT policy)" in md
     world = json.loads((tmp_path / "world" / "world.json").read_text())
-    assert world["hard_direct_rate"] == 0.1 and world["error_rate"] == 0.1 and world["easy_code_rate"] == 0.75
-    assert world["easy_code_families"] == ["count", "bars"] and set(world["easy_items_with_code_by_family"]) <= {
-        "count", "bars"}
+    # world.json records the config's calibration knobs and what they produced.
+    from configs import demo as demo_configs
+
+    knobs = demo_configs.get_config("mini").world
+    for k in ("hard_direct_rate", "error_rate", "easy_code_rate"):
+        assert world[k] == knobs[k], k
+    for k in ("easy_code_families", "hard_direct_families", "bars_questions"):
+        assert world[k] == list(knobs[k]), k
+    assert set(world["easy_items_with_code_by_family"]) <= set(knobs.easy_code_families)
+    assert set(world["hard_items_direct_by_family"]) <= set(knobs.hard_direct_families)
+    # The SFT policy per cell, greedy beside sampled (eval.calibration), written before GRPO.
+    cal = json.loads((tmp_path / "calibration.json").read_text())
+    assert cal["cells"]["all"]["n_items"] == 12 and cal["cells"]["all"]["k"] == 2
+    assert "pass@2" in (tmp_path / "calibration.md").read_text()
     rows = [json.loads(x) for x in open(tmp_path / "grpo" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["reward/total"]) for r in rows)
     sft_rows = [json.loads(x) for x in open(tmp_path / "sft" / "metrics.jsonl")]
