@@ -104,6 +104,11 @@ def get_config(preset: str = "default") -> ml_collections.ConfigDict:
     # moved alike. At T = 0.6 easy groups are almost all correct and only R_BAT lowers easy tool use.
     g.prompts_per_step, g.group_size, g.total_steps, g.grad_accum = (2, 4, 2, 1) if mini else (8, 8, 40, 1)
     g.optim.update(lr=1e-4, warmup_ratio=0.0, schedule="constant")
+    # A toy-scale departure from the paper (which trains without a KL term): the k3 KL to the SFT
+    # policy at beta 0.05 holds the skills a step does not train. Measured from one SFT policy (seed
+    # 0, 40 steps, greedy, 240 items): without it 74.2% -> 82.1% with hard count 37.5% -> 30.0%; with
+    # it 74.2% -> 87.1% with hard count 37.5% -> 55.0% (WORKSPACE.md, "Toy world and demo").
+    g.loss.kl_coef = 0.05
     g.rbat.update(mode="full", preset="paper")
     g.rollout.update(max_turns=3, max_turn_tokens=48 if mini else 192, max_new_tokens=96 if mini else 384,
                      max_total_tokens=448, temperature=0.6, obs_max_pixels=112 * 112,
