@@ -1,10 +1,14 @@
 """Agent mode: a whole CodeDance rollout (think -> code -> sandbox -> observation ...) behind one call.
 
 A worker thread owns a `SandboxPool` (created in that thread: the sandbox's parent-death signal is
-per thread) and runs `RolloutEngine.rollout` on the agent requests waiting at that moment that share
-sampling settings, so agent requests batch with each other. The engine's turn loop is the one the
-evaluation and GRPO use: the reply is exactly what `launch.eval` would have produced for the prompt.
-Chat requests are not blocked by agent rollouts: they run in the chat batcher's own thread.
+per thread) and starts one thread per agent request, which runs `RolloutEngine.rollout` on that
+request alone (its n choices batched), at most `max_running` at once. So a request never waits
+behind another request's slow cells (a cell may take the sandbox's whole timeout): its rollout
+decodes while the other's row sits in the sandbox. The cost: agent requests do not share decode
+calls with each other. The engine's turn loop is the one the evaluation and GRPO use: the reply is
+exactly what `launch.eval` would have produced for the prompt, whatever else is running. Chat
+requests are not blocked by agent rollouts: they run in the chat batcher's own thread. A client
+that hangs up does not stop its rollout (the engine has no cancel); it ends within its budgets.
 
 The last user message's text is wrapped in the paper's RL template (`Question: ...` + the code
 instructions, SPEC §2) unless the request sends `"agent_template": false`.
@@ -55,14 +59,18 @@ class AgentWorker:
     """`submit(prompt, settings, n) -> Future[list[dict]]` (one result per choice, see `result_of`)."""
 
     def __init__(self, model, processor, *, max_context: int, decode_chunk: int = 16, sandbox_workers: int = 2,
-                 sandbox_timeout_s: float = 15.0, turn_format: str = "code", max_cached_engines: int = 4):
+                 sandbox_timeout_s: float = 15.0, turn_format: str = "code", max_cached_engines: int = 4,
+                 max_running: int = 8):
         self.model, self.processor = model, processor
         self.max_context, self.decode_chunk = max_context, decode_chunk
         self.sandbox_workers, self.sandbox_timeout_s = sandbox_workers, sandbox_timeout_s
         self.turn_format = turn_format
         self.jobs: queue.Queue[AgentJob | None] = queue.Queue()
         self._engines: dict[AgentSettings, RolloutEngine] = {}
+        self._engines_lock = threading.Lock()
         self._max_cached = max_cached_engines
+        self._running = threading.BoundedSemaphore(max_running)  # rollouts at once (each holds a KV cache)
+        self._runners: set[threading.Thread] = set()
         self._thread = threading.Thread(target=self._run, name="codedance-agent", daemon=True)
         self._ready = threading.Event()
         self.pool = None
@@ -94,67 +102,61 @@ class AgentWorker:
                 job = self.jobs.get()
                 if job is None:
                     return
-                batch = [job]
-                pending = []
-                while True:  # everything waiting now with the same settings joins this rollout
-                    try:
-                        j = self.jobs.get_nowait()
-                    except queue.Empty:
-                        break
-                    if j is None:
-                        self.jobs.put(None)
-                        break
-                    (batch if j.settings == job.settings and j.n == job.n else pending).append(j)
-                for j in pending:
-                    self.jobs.put(j)
-                self._rollout(batch)
+                self._running.acquire()
+                t = threading.Thread(target=self._run_one, args=(job,), name="codedance-agent-rollout", daemon=True)
+                self._runners.add(t)
+                t.start()
         finally:
+            for t in list(self._runners):  # the pool must outlive the rollouts using it
+                t.join(timeout=30)
             if self.pool is not None:
                 try:
                     self.pool.close()
                 except Exception:  # noqa: BLE001 - shutting down
                     pass
 
-    def _engine(self, s: AgentSettings) -> RolloutEngine:
-        eng = self._engines.get(s)
-        if eng is None:
-            if len(self._engines) >= self._max_cached:
-                self._engines.pop(next(iter(self._engines)))
-            buckets = tuple(b for b in (256, 512, 1024, 2048, 4096, 8192, 16384) if b < self.max_context)
-            buckets += (self.max_context,)  # every prompt that passed the context check has a bucket
-            cfg = RolloutConfig.eval(
-                turn_format=self.turn_format, max_turns=s.max_turns, max_turn_tokens=min(1024, s.max_tokens),
-                max_new_tokens=s.max_tokens, max_total_tokens=self.max_context, decode_chunk=self.decode_chunk,
-                prompt_buckets=buckets, batch_multiple=1)
-            sampling = SamplingConfig(temperature=1.0 if s.greedy else s.temperature, top_p=s.top_p,
-                                      greedy=s.greedy, seed=s.seed)
-            eng = self._engines[s] = RolloutEngine(self.model, self.processor, cfg, sampling)
-        return eng
+    def _run_one(self, job: AgentJob):
+        try:
+            self._rollout(job)
+        finally:
+            self._runners.discard(threading.current_thread())
+            self._running.release()
 
-    def _rollout(self, batch: list[AgentJob]):
+    def _engine(self, s: AgentSettings) -> RolloutEngine:
+        with self._engines_lock:  # engines are shared by concurrent rollouts (a call keeps its state apart)
+            eng = self._engines.get(s)
+            return eng if eng is not None else self._new_engine(s)
+
+    def _new_engine(self, s: AgentSettings) -> RolloutEngine:
+        if len(self._engines) >= self._max_cached:
+            self._engines.pop(next(iter(self._engines)))
+        buckets = tuple(b for b in (256, 512, 1024, 2048, 4096, 8192, 16384) if b < self.max_context)
+        buckets += (self.max_context,)  # every prompt that passed the context check has a bucket
+        cfg = RolloutConfig.eval(
+            turn_format=self.turn_format, max_turns=s.max_turns, max_turn_tokens=min(1024, s.max_tokens),
+            max_new_tokens=s.max_tokens, max_total_tokens=self.max_context, decode_chunk=self.decode_chunk,
+            prompt_buckets=buckets, batch_multiple=1)
+        sampling = SamplingConfig(temperature=1.0 if s.greedy else s.temperature, top_p=s.top_p,
+                                  greedy=s.greedy, seed=s.seed)
+        self._engines[s] = RolloutEngine(self.model, self.processor, cfg, sampling)
+        return self._engines[s]
+
+    def _rollout(self, job: AgentJob):
         try:
             if self.pool is None:
                 raise RuntimeError(f"agent mode needs the code sandbox, which failed to start: {self.pool_error}")
-            eng = self._engine(batch[0].settings)
-            n = batch[0].n
-            scripts = [j.script for j in batch]
+            eng = self._engine(job.settings)
 
             def script(row: int, turn: int) -> str | None:
-                sc = scripts[row // n]
-                return sc[turn] if turn < len(sc) else None
+                return job.script[turn] if turn < len(job.script) else None
 
-            trajs, _ = eng.rollout([j.prompt for j in batch], group_size=n, sandbox=self.pool,
-                                   script=script if any(scripts) else None)
-            k = 0
-            for j in batch:
-                res = [result_of(t, self.processor) for t in trajs[k : k + j.n]]
-                k += j.n
-                j.future.set_result(res)
-        except Exception as e:  # noqa: BLE001 - the requests get the error; the worker goes on
+            trajs, _ = eng.rollout([job.prompt], group_size=job.n, sandbox=self.pool,
+                                   script=script if job.script else None)
+            job.future.set_result([result_of(t, self.processor) for t in trajs])
+        except Exception as e:  # noqa: BLE001 - the request gets the error; the worker goes on
             log.exception("agent rollout failed")
-            for j in batch:
-                if not j.future.done():
-                    j.future.set_exception(e)
+            if not job.future.done():
+                job.future.set_exception(e)
 
 
 def result_of(traj, processor) -> dict:

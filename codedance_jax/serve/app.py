@@ -5,6 +5,10 @@ CORS headers for the allowed origins. Every error is OpenAI-shaped JSON (`errors
 over the context budget is a 400 with code `context_length_exceeded`, an unknown model 404, a bug
 500 with the exception's name and message but no traceback. A streamed request that fails after
 its headers were sent gets one `data: {"error": ...}` event and `[DONE]`, never a hung connection.
+
+A client that hangs up (streamed or not) cancels its choices at once: a task waits for the
+connection's `http.disconnect` beside the reply, so the batcher drops them from its queue or frees
+their rows after the running chunk, instead of decoding to `max_tokens` for nobody.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from codedance_jax.rollout import Prompt
@@ -160,7 +164,7 @@ class Server:
                 if req.stream:
                     raise APIError(400, "agent mode does not stream: send stream=false", param="stream")
                 return await self._agent_chat(req, body)
-            return await self._chat(req)
+            return await self._chat(req, request)
 
         return app
 
@@ -192,7 +196,7 @@ class Server:
                            code="context_length_exceeded")
         return want
 
-    async def _chat(self, req: ChatRequest):
+    async def _chat(self, req: ChatRequest, request: Request):
         _, _, enc = await asyncio.to_thread(self._encode, req)
         ids = enc["input_ids"][0].astype("int32")
         max_tokens = self._budget(req, len(ids))
@@ -211,21 +215,26 @@ class Server:
         except RuntimeError as e:
             raise APIError(503, str(e)) from e
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        watch = asyncio.ensure_future(_hang_up(request, choices, events))
         if req.stream:
-            return StreamingResponse(self._sse(req, choices, events, rid, created, len(ids)),
+            return StreamingResponse(self._sse(req, choices, events, rid, created, len(ids), watch),
                                      media_type="text/event-stream")
         open_ = set(range(req.n))
         try:
             while open_:
                 i, ev = await events.get()
+                if ev["type"] == "gone":
+                    return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
                 if ev["type"] == "error":
                     raise APIError(500, f"generation failed: {ev['message']}")
                 if ev["type"] == "done":
                     open_.discard(i)
-        except BaseException:  # an error, or the client went away (cancelled): stop decoding for it
+        except BaseException:  # an error, or the request was cancelled: stop decoding for it
             for ch in choices:
                 ch.cancelled = True
             raise
+        finally:
+            watch.cancel()
         out = []
         for i, ch in enumerate(choices):
             c = {"index": i, "message": {"role": "assistant", "content": ch.text}, "finish_reason": ch.finish_reason,
@@ -242,7 +251,7 @@ class Server:
             content.append({"token": s, "logprob": float(lp), "bytes": list(s.encode("utf-8")), "top_logprobs": []})
         return {"content": content}
 
-    async def _sse(self, req: ChatRequest, choices, events, rid, created, prompt_len):
+    async def _sse(self, req: ChatRequest, choices, events, rid, created, prompt_len, watch):
         def chunk(payload: dict) -> str:
             base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model}
             return f"data: {json.dumps({**base, **payload})}\n\n"
@@ -257,6 +266,8 @@ class Server:
                 if ev["type"] == "delta":
                     yield chunk({"choices": [{"index": i, "delta": {"content": ev["text"]}, "finish_reason": None,
                                               "logprobs": None}]})
+                elif ev["type"] == "gone":
+                    return
                 elif ev["type"] == "done":
                     open_.discard(i)
                     # Log-probs come whole with the last chunk: deltas are cut on text, not on tokens.
@@ -271,6 +282,7 @@ class Server:
                     yield chunk({"choices": [], "usage": _usage(prompt_len, sum(len(c.tokens) for c in choices))})
             yield "data: [DONE]\n\n"
         finally:  # the client went away or the stream ended: stop decoding what nobody reads
+            watch.cancel()
             for ch in choices:
                 ch.cancelled = True
 
@@ -299,6 +311,16 @@ class Server:
         completion = sum(r["completion_tokens"] for r in results)
         return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
                 "model": req.model, "choices": choices, "usage": _usage(len(ids), completion)}
+
+
+async def _hang_up(request: Request, choices: list[Choice], events: asyncio.Queue) -> None:
+    """Waits for the client to close the connection, then cancels its choices and wakes the reply
+    with a "gone" event. Cancelled when the reply is complete."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    for ch in choices:
+        ch.cancelled = True
+    events.put_nowait((None, {"type": "gone"}))
 
 
 def _usage(prompt: int, completion: int) -> dict:

@@ -19,6 +19,13 @@ power of two past the last busy row: one request alone decodes at batch 1, not a
 shared write index runs out of room, finished rows' slots are dropped and the cache is compacted
 (`generate.compact_cache`, exact).
 
+Room: a prefill is padded to a power of two but never past `max_context`, so after a compaction
+(write index <= the longest row <= `max_context`) one prefill and one chunk always fit the
+`2 * max_context + decode_chunk` slots; waiting sequences that still do not fit stay queued until
+rows finish (never an error). A prompt over `max_context` is refused by the app (400) before it
+gets here. A cancelled sequence (its client went away) is dropped from the queue, and its row is
+freed after the chunk that is running.
+
 Stop strings: the device stops a row on EOS (`<|im_end|>`, `<|endoftext|>`); request stops are
 found on the decoded text after each chunk (the row is ended there and its text cut before the
 stop, as OpenAI does; tokens sampled past it are discarded with the row).
@@ -104,6 +111,7 @@ class Batcher:
                                  jnp.zeros((max_batch, cfg.text.vocab_size), jnp.float32))
         self.waiting: queue.Queue[Choice] = queue.Queue()
         self._backlog: list[Choice] = []
+        self._admitting: list[Choice] = []  # taken from the backlog, not yet in a row (failed together on a bug)
         self._stop = threading.Event()
         self.stats = {"chunks": 0, "prefills": 0, "compactions": 0, "generated_tokens": 0, "max_rows": 0}
         self._compiles = CompileCounter()  # XLA compilations in this process (reported by /health)
@@ -145,7 +153,7 @@ class Batcher:
             for s in self.slots:
                 if s.seq is not None:
                     self._emit(s.seq, {"type": "error", "message": self.error})
-            for seq in self._backlog:
+            for seq in self._admitting + self._backlog:
                 self._emit(seq, {"type": "error", "message": self.error})
             while True:
                 try:
@@ -173,9 +181,14 @@ class Batcher:
         take, self._backlog = self._backlog[: len(free)], self._backlog[len(free) :]
         if not take:
             return
+        # Padded to a power of two (few shapes to compile) but never past max_context (see "Room").
+        length = min(pow2(max(len(q.input_ids) for q in take), self.min_prefill), self.max_context)
+        if not self._make_room(length):  # wait for rows to finish; nothing is lost
+            self._backlog = take + self._backlog
+            return
+        self._admitting = take
         rows = free[: len(take)]  # the lowest free rows: busy rows stay packed at the front
         b = self._rows_in_use(max(rows) + 1)
-        length = pow2(max(len(q.input_ids) for q in take), self.min_prefill)
         ids = np.full((b, length), self.pad_id, np.int32)
         mask = np.zeros((b, length), np.int32)
         on = np.zeros(b, bool)
@@ -188,7 +201,6 @@ class Batcher:
                 grids.append(q.image_grid_thw)
         grid = np.concatenate(grids) if grids else None
         cfg = self.model.cfg
-        self._ensure_room(length)
         pos, next_pos = rope.mrope_positions(ids, mask, grid, image_token_id=cfg.image_token_id,
                                              spatial_merge_size=cfg.vision.spatial_merge_size, start=0)
         feats = None
@@ -201,6 +213,7 @@ class Batcher:
         self.batch.index += length
         for i, q in zip(rows, take, strict=True):
             self.slots[i] = _Slot(seq=q, next_pos=int(next_pos[i]))
+        self._admitting = []
         self.stats["prefills"] += 1
         self.stats["max_rows"] = max(self.stats["max_rows"], sum(s.seq is not None for s in self.slots))
 
@@ -320,12 +333,16 @@ class Batcher:
         loaded server does not pay for its whole batch every step, with few distinct shapes to compile."""
         return row_bucket(n, 1, self.max_batch)
 
-    def _ensure_room(self, n: int):
+    def _make_room(self, n: int) -> bool:
+        """Whether n slots fit after the write index, compacting the cache if they do not yet."""
         if self.batch.fits(n):
-            return
+            return True
         self.batch.compact(np.array([s.seq is None for s in self.slots]))  # free rows' slots dropped
         self.stats["compactions"] += 1
-        if not self.batch.fits(n):
+        return self.batch.fits(n)
+
+    def _ensure_room(self, n: int):
+        if not self._make_room(n):  # a bug: a compacted cache always holds one chunk (see "Room")
             raise RuntimeError(f"the KV cache ({self.cache_slots} slots) cannot hold the batch")
 
 
