@@ -276,3 +276,12 @@ def test_checker_rejects_a_cycle_between_packages():
 def test_checker_rejects_jax_in_the_sandbox():
     problems = check(_tree(sandbox__pool="def f():\n    import jax.numpy as jnp\n"))
     assert any("sandbox.pool:2: imports jax" in p for p in problems), problems
+
+
+def test_test_modules_have_unique_names():
+    """The test folders have no __init__.py, so pytest imports each test file by its basename: two
+    files of one name (tests/sandbox/test_x.py, tests/serve/test_x.py) make the second an error."""
+    seen: dict[str, pathlib.Path] = {}
+    for p in sorted((ROOT / "tests").rglob("*.py")):
+        other = seen.setdefault(p.name, p)
+        assert other == p or p.name in ("conftest.py", "__init__.py"), f"{other} and {p} share a module name"

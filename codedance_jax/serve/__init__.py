@@ -9,7 +9,7 @@ body limits), batcher.py (continuous batching on the jitted sampler), agent.py (
 rollouts with the sandbox), errors.py (OpenAI-style errors), server.py (checks at start, load,
 bind, uvicorn with a header deadline). Imports only the library core and the sandbox.
 
-Protected against, and by what (tests/serve/test_hostile.py, real processes and clients):
+Protected against, and by what (tests/serve/test_serve_hostile.py, real processes and clients):
 - reading files for clients: image URLs naming local paths or file:// are refused unless the
   operator lists directories (allowed_local_media_path); then only regular files under them,
   symlinks resolved, that an unprivileged user could read (o+x directories from the listed one

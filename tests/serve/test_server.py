@@ -2,7 +2,7 @@
 
 Greedy replies (plain and streamed) equal `RolloutEngine`'s greedy rollout of the same chat prompt,
 token for token, log-probs included; images reach the model from data URLs (local paths, refused
-by default, are tested with hostile clients in test_hostile.py);
+by default, are tested with hostile clients in test_serve_hostile.py);
 concurrent requests all complete with the replies they get alone, and a short request is not held
 behind a long one; agent mode executes code in the sandbox; errors are OpenAI-shaped with the right
 status codes; launcher user errors exit 2 with one line.
