@@ -37,14 +37,12 @@ import os
 import platform
 import random
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
-import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "serve"))
@@ -78,17 +76,6 @@ def normal_prompts() -> list[dict]:
                                                           {"type": "text", "text": "What is in the picture?"}]}],
                 "temperature": 0, "max_tokens": 16})
     return out
-
-
-def bomb_png(side: int = 13000) -> bytes:
-    """A ~20 KB PNG that declares side x side pixels (1-bit, all zero)."""
-    def chunk(t, d):
-        return struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d))
-
-    row, z = b"\0" * (1 + (side + 7) // 8), zlib.compressobj(9)
-    data = b"".join(z.compress(row) for _ in range(side)) + z.flush()
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 1, 0, 0, 0, 0))
-            + chunk(b"IDAT", data) + chunk(b"IEND", b""))
 
 
 class Raw:
@@ -215,6 +202,7 @@ def cpu_model() -> str:
 
 def soak(server, prompts, seconds: float, clients: int, hostile: float, seed: int) -> dict:
     import openai
+    from serve_helpers import bomb_png
 
     raw = Raw(server.port, bomb_png())
     first = {}

@@ -29,10 +29,6 @@ def _get(r, k, default=None):
     return r.get(k, default) if isinstance(r, Mapping) else getattr(r, k, default)
 
 
-def _cell(meta: Mapping, keys: Sequence[str]) -> str:
-    return ",".join(f"{k}={meta.get(k)}" for k in keys)
-
-
 def _mean(xs) -> float:
     xs = list(xs)
     return sum(xs) / len(xs) if xs else math.nan
@@ -44,10 +40,14 @@ def cells(greedy: Sequence[Any], sampled: Sequence[Any], keys: Sequence[str] = K
     s: dict[str, list] = collections.defaultdict(list)
     for r in sampled:
         s[str(_get(r, "prompt_id"))].append(r)
+    from codedance_jax.rl.scoring import metadata_groups  # here: scoring imports JAX (rbat)
+
     ids = [i for i in g if i in s]
     groups: dict[str, list[str]] = {"all": ids}
-    for i in ids:
-        groups.setdefault(_cell(_get(g[i], "meta") or {}, keys), []).append(i)
+    # The cells under the names the rest of the evaluation uses (the keys' combination).
+    for name, idx in metadata_groups([_get(g[i], "meta") or {} for i in ids], keys).items():
+        if len(keys) == 1 or "," in name:
+            groups[name] = [ids[j] for j in idx]
     out = {}
     for name, members in groups.items():
         draws = [d for i in members for d in s[i]]

@@ -74,3 +74,17 @@ class ServerProcess:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+def bomb_png(side: int = 13000) -> bytes:
+    """A ~20 KB PNG that declares side x side pixels (1-bit, all zero): 169 MP at 13000."""
+    import struct
+    import zlib
+
+    def chunk(t, d):
+        return struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d))
+
+    row, z = b"\0" * (1 + (side + 7) // 8), zlib.compressobj(9)
+    data = b"".join(z.compress(row) for _ in range(side)) + z.flush()
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 1, 0, 0, 0, 0))
+            + chunk(b"IDAT", data) + chunk(b"IEND", b""))

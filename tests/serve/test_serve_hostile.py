@@ -22,7 +22,7 @@ import numpy as np
 import openai
 import pytest
 from PIL import Image
-from serve_helpers import ROOT, ServerProcess, server_env
+from serve_helpers import ROOT, ServerProcess, bomb_png, server_env
 
 KEY = "sk-test-" + "7f3a" * 8
 
@@ -228,17 +228,6 @@ def test_foreign_hosts_and_cross_site_requests_are_refused(servers):
 
 
 # ------------------------------------------------------------------------------ images
-def _bomb_png(side: int = 13000) -> bytes:
-    """A ~20 KB PNG that declares side x side pixels (1-bit, all zero): 169 MP at 13000."""
-    def chunk(t, d):
-        return struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d))
-
-    row, z = b"\0" * (1 + (side + 7) // 8), zlib.compressobj(9)
-    data = b"".join(z.compress(row) for _ in range(side)) + z.flush()
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 1, 0, 0, 0, 0))
-            + chunk(b"IDAT", data) + chunk(b"IEND", b""))
-
-
 def _broken_png(img: Image.Image) -> bytes:
     """A PNG whose image data continues in a chunk with a garbage type (Pillow raises SyntaxError)."""
     raw = _encoded(img, "PNG")
@@ -274,7 +263,7 @@ def test_images_decode_only_vlm_formats_within_pixel_limits(servers):
         code, err = _error(lambda raw=raw, mime=mime: _image_chat(client, _data_url(raw, mime)))
         assert code == 400 and err["code"] == "invalid_image" and "PNG, JPEG, WebP or GIF" in err["message"], mime
     # A 20 KB PNG declaring 169 megapixels is refused from its header, before any pixel is decoded.
-    bomb = _bomb_png()
+    bomb = bomb_png()
     assert len(bomb) < 64 << 10
     before = _peak_rss_mb(s.proc.pid)
     code, err = _error(lambda: _image_chat(client, _data_url(bomb)))
