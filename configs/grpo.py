@@ -24,6 +24,11 @@ import ml_collections
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.model = preset  # toy | tiny | qwen25vl_3b | qwen25vl_7b: random init when init_from is empty
+    # The update's batch layouts in the run's shape plan (runs/grpo_plan.py; all compiled before step
+    # 1): packed rows of T n / 16 slots for n in pack_sixteenths, with vision_rows shared vision rows
+    # (-1: a quarter of the batch rows), else unpacked rows with per-row images. images=False: the
+    # RL prompts are text only (batches without vision fields).
+    c.plan = ml_collections.ConfigDict(dict(pack_sixteenths=(12,), vision_rows=-1, images=True))
     c.init_from = ""  # policy: HF or converted checkpoint dir (an SFT run writes WORKDIR/policy)
     c.processor_dir = ""  # tokenizer/preprocessor when init_from is empty ("" = the toy world's)
     c.dtype = "bfloat16"

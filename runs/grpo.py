@@ -39,6 +39,7 @@ import time
 import jax
 import numpy as np
 
+from codedance_jax.compile_watch import UnplannedCompiles
 from codedance_jax.errors import ConfigError
 from codedance_jax.rl import GRPOLossConfig, RBATConfig, selection
 from codedance_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig
@@ -47,8 +48,8 @@ from codedance_jax.rollout.placement import sampling_mesh
 from codedance_jax.train import optim, run_record
 from codedance_jax.train.batching import check_buckets
 from codedance_jax.train.metrics import drop_rows_after
+from runs import grpo_plan, setup
 from runs import grpo_stages as stages
-from runs import setup
 from runs.grpo_metrics import metrics_row
 from runs.grpo_stages import GRPOContext, rollout_model
 
@@ -219,7 +220,8 @@ def open_context(config, workdir: str, run_setup) -> tuple[GRPOContext, setup.Ru
                                 SamplingConfig(greedy=True, seed=config.seed), mesh=sampler_mesh)
     ctx = GRPOContext(config, workdir, processor, cfg, mesh, rules, tx, sched, rb_cfg, loss_cfg,
                       buckets, source, rl_prompts.PromptSchedule(len(source), config.prompts_per_step, config.seed),
-                      engine, pool, rows, exporter, ref_params, sampling_mesh=sampler_mesh)
+                      engine, pool, rows, exporter, ref_params, sampling_mesh=sampler_mesh,
+                      layout=grpo_plan.layout(config, rows // hosts, mesh.shape["data"] * mesh.shape["fsdp"]))
     return ctx, run, eval_engine, eval_prompts
 
 
@@ -306,11 +308,12 @@ def run_evaluation(ctx: GRPOContext, run: setup.Run, engine: RolloutEngine, prom
 
     if not prompts:
         return None
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), CompileCounter.total()
     engine.set_model(rollout_model(run.mdef, run.state.params, ctx.sampling_mesh))
     res = evaluate(engine, prompts, ctx.pool, batch=int(ctx.config.eval.batch), keys=tuple(ctx.config.metric_keys))
     summary = {f"eval/{k}": v for k, v in res.summary.items()}
     summary["eval/time_s"] = time.perf_counter() - t0
+    summary["eval/compilations"] = float(CompileCounter.total() - c0)
     run.writer.write(step, summary)
     if ctx.host == 0:
         with open(os.path.join(ctx.workdir, "eval.jsonl"), "a") as f:
@@ -329,6 +332,10 @@ def train_and_evaluate(config, workdir: str) -> dict:
     with contextlib.ExitStack() as closing:  # the run's files, then the sandbox pool, closed on any exit
         ctx, run, eval_engine, eval_prompts = open_context(config, workdir, closing)
         ctx = filter_prompts(ctx, run)
+        warm_up(ctx, run, eval_engine, eval_prompts)
+        # Every program is compiled: from here on, a compilation is a shape outside the plan (a
+        # warning naming it, and the step's `compilations`).
+        closing.enter_context(UnplannedCompiles())
         history, last_eval, ckpt_s = [], None, 0.0
         if run.start and config.eval.every and _eval_due(config, run.start) and not _has_eval(workdir, run.start):
             # The run stopped (preempted) after this step's checkpoint and before its evaluation.
@@ -350,6 +357,24 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
         orbax_io.save(run.mdef.model(run.state.params), policy_path(workdir), ctx.processor)
     return {"step": int(run.state.step), "history": history, "eval": last_eval, "policy": policy_path(workdir)}
+
+
+def warm_up(ctx: GRPOContext, run: setup.Run, eval_engine, eval_prompts: list) -> dict:
+    """Compile the run's shape plan (`runs/grpo_plan.py`) before its first step; the plan's
+    programs go to WORKDIR/shape_plan.json, its counts and time to the metrics (`plan/*`, at the
+    first step to run)."""
+    evaluates = ctx.config.eval.every or ctx.config.eval.get("at_start", False)
+    n_eval = min(len(eval_prompts), int(ctx.config.eval.batch or len(eval_prompts))) if evaluates else 0
+    out = grpo_plan.warm_up(ctx, run, eval_engine, n_eval)
+    if ctx.host == 0:
+        with open(os.path.join(ctx.workdir, "shape_plan.json"), "w") as f:
+            json.dump({"programs": out["programs"], "compilations": out["compilations"], "seconds": out["seconds"]},
+                      f, indent=1)
+        print(f"shape plan: {len(out['programs'])} programs, {out['compilations']} compilations in "
+              f"{out['seconds']:.1f} s", flush=True)
+    run.writer.write(run.start, {"plan/programs": float(len(out["programs"])),
+                                 "plan/compilations": float(out["compilations"]), "plan/seconds": out["seconds"]})
+    return out
 
 
 def _eval_due(config, step: int) -> bool:

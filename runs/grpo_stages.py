@@ -25,7 +25,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from codedance_jax.model.config import ModelConfig
 from codedance_jax.rl import GRPOLossConfig, RBATConfig, rbat_advantages, rbat_rewards, scoring, selection
@@ -34,6 +34,20 @@ from codedance_jax.rollout.placement import sampling_params
 from codedance_jax.train import grpo, rl_batch, sft
 from codedance_jax.train.batching import Bucket, max_bucket_across_hosts
 from runs import setup
+
+
+@dataclasses.dataclass
+class UpdateLayout:
+    """The batch layouts a planned run uses: packed rows of T n / 16 slots for n in `pack_sixteenths`
+    with exactly `vision_rows` shared vision rows, else (either does not hold the step) unpacked rows
+    with per-row images; `images`: keep the vision fields in text-only batches too."""
+
+    pack_sixteenths: tuple[int, ...]
+    vision_rows: int
+    images: bool = True
+
+    def batch_kwargs(self) -> dict:
+        return dict(pack_sixteenths=self.pack_sixteenths, vision_rows=self.vision_rows, drop_pixels=not self.images)
 
 
 @dataclasses.dataclass
@@ -62,6 +76,8 @@ class GRPOContext:
     # The host's sampling mesh (`config.rollout.mesh_data` of its local devices) the engines run on;
     # None: the trainer's arrays as they are (tests that build a context by hand).
     sampling_mesh: Any = None
+    # The update's batch layouts of the run's shape plan (`runs/grpo_plan.py`); None: any layout.
+    layout: UpdateLayout | None = None
 
     @property
     def group_size(self) -> int:
@@ -288,15 +304,19 @@ def batch(ctx: GRPOContext, ro: Rollouts, scores: Scores, step: int) -> GRPOBatc
                          f"to cover the rollout budgets (rollout.max_total_tokens, obs_max_pixels, max_turns)")
     bucket = ctx.buckets[max_bucket_across_hosts(max(e.bucket for e in exs))]
     whole = None if int(ctx.config.grad_accum) == 1 else False  # packed rows, shared images: no micro-batches
+    kw = dict(bucket=bucket, examples=exs, row_multiple=ctx.mesh.shape["data"] * ctx.mesh.shape["fsdp"],
+              **(ctx.layout.batch_kwargs() if ctx.layout else {}))
     local = rl_batch.grpo_batch(trajs, ctx.processor, ctx.cfg, ctx.buckets, scores.a_seq, scores.a_turn,
-                                bucket=bucket, examples=exs, pack=whole, share_images=whole,
-                                row_multiple=ctx.mesh.shape["data"] * ctx.mesh.shape["fsdp"])
+                                pack=whole, share_images=whole, **kw)
+    if ctx.layout is not None and ("pack_src" in local) != ("feat_src" in local):
+        # one of the planned layouts did not hold this step: the plan's other one (unpacked, per-row images)
+        local = rl_batch.grpo_batch(trajs, ctx.processor, ctx.cfg, ctx.buckets, scores.a_seq, scores.a_turn,
+                                    pack=False, share_images=False, **kw)
     if scores.keep is not None:
         local = untrained_rows(local, scores.keep)
     local = rl_batch.pad_rows(local, ctx.rows // ctx.hosts)
     local.pop("num_tokens", None)
-    shardings = sft.batch_shardings(local, ctx.mesh, ctx.rules)
-    arrays = {k: jax.make_array_from_process_local_data(shardings[k], v) for k, v in local.items()}
+    arrays, shardings = place_batch(ctx, local)
     return GRPOBatch(local, arrays, shardings, setup.batch_key(local), time.perf_counter() - t0)
 
 
@@ -307,12 +327,9 @@ def old_logprobs(ctx: GRPOContext, run: setup.Run, b: GRPOBatch) -> GRPOBatch:
     max distance to the sampler's (verl's check)."""
     if ctx.ref_params is None:
         return b
-    t0, config = time.perf_counter(), ctx.config
+    t0 = time.perf_counter()
     arrays, shardings = dict(b.arrays), dict(b.shardings)
-    lp_bsh = {k: v for k, v in b.shardings.items() if k in sft.BATCH_FIELDS}
-    lp_fn = ctx.lp_fns.get(b.key, lambda: grpo.make_logprob_fn(run.mdef, run.state_sh.params, lp_bsh, ctx.mesh,
-                                                               temperature=config.rollout.temperature,
-                                                               accum_steps=config.grad_accum, rules=ctx.rules))
+    lp_fn = ctx.lp_fns.get(b.key, lambda: build_logprob(ctx, run, b.shardings))
     lp_in = {k: v for k, v in b.arrays.items() if k in sft.BATCH_FIELDS}
     arrays["ref_logprobs"] = jax.device_put(lp_fn(ctx.ref_params, lp_in), shardings["old_logprobs"])
     shardings["ref_logprobs"] = shardings["old_logprobs"]
@@ -325,18 +342,40 @@ def update(ctx: GRPOContext, run: setup.Run, b: GRPOBatch, step: int) -> Update:
     `recompute_old_logprobs` the old log-probs come from the update's forward and `logprob_mismatch`
     from its metrics."""
     t0 = time.perf_counter()
-    recompute = bool(ctx.config.recompute_old_logprobs)
-    key = b.key + (("ref", ctx.ref_params is not None), ("old_from_forward", recompute))
-    step_fn = run.steps.get(key, lambda: grpo.make_grpo_step(
-        run.mdef, ctx.tx, ctx.sched, ctx.loss, run.state_sh, b.shardings, ctx.mesh,
-        accum_steps=ctx.config.grad_accum, temperature=ctx.config.rollout.temperature, rules=ctx.rules,
-        old_from_forward=recompute))
-    rng = jax.random.key(step)
+    step_fn = run.steps.get(update_key(ctx, b.key), lambda: build_update(ctx, run, b.shardings))
+    # Placed replicated, as the plan's ahead-of-time compile took it (`runs/grpo_plan.py`).
+    rng = jax.device_put(jax.random.key(step), NamedSharding(ctx.mesh, PartitionSpec()))
     with jax.transfer_guard("disallow"):  # inputs are placed above: any other host<->device copy is a bug
         state, m = step_fn(run.state, b.arrays, rng)
     m = {k: float(v) for k, v in jax.device_get(m).items()}
     mismatch = m.pop("logprob_mismatch", None)
     return Update(state, m, time.perf_counter() - t0, logprob_mismatch=mismatch)
+
+
+def update_key(ctx: GRPOContext, batch_key: tuple) -> tuple:
+    """The update's StepCache key: the batch's shapes and the switches that change its program."""
+    return batch_key + (("ref", ctx.ref_params is not None), ("old_from_forward", bool(ctx.config.recompute_old_logprobs)))
+
+
+def build_update(ctx: GRPOContext, run: setup.Run, shardings: dict):
+    """jit(grpo_train_step) for a batch with these shardings (the state donated)."""
+    return grpo.make_grpo_step(run.mdef, ctx.tx, ctx.sched, ctx.loss, run.state_sh, shardings, ctx.mesh,
+                               accum_steps=ctx.config.grad_accum, temperature=ctx.config.rollout.temperature,
+                               rules=ctx.rules, old_from_forward=bool(ctx.config.recompute_old_logprobs))
+
+
+def build_logprob(ctx: GRPOContext, run: setup.Run, shardings: dict):
+    """jit: the frozen reference's log-probs of a batch with these shardings (KL on)."""
+    lp_bsh = {k: v for k, v in shardings.items() if k in sft.BATCH_FIELDS}
+    return grpo.make_logprob_fn(run.mdef, run.state_sh.params, lp_bsh, ctx.mesh,
+                                temperature=ctx.config.rollout.temperature, accum_steps=ctx.config.grad_accum,
+                                rules=ctx.rules)
+
+
+def place_batch(ctx: GRPOContext, local: dict) -> tuple[dict, dict]:
+    """(global arrays, shardings) of a host's batch fields, on the mesh."""
+    shardings = sft.batch_shardings(local, ctx.mesh, ctx.rules)
+    return {k: jax.make_array_from_process_local_data(shardings[k], v) for k, v in local.items()}, shardings
 
 
 def checkpoint(ctx: GRPOContext, run: setup.Run, step: int, stop: bool) -> float:

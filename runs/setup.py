@@ -104,6 +104,10 @@ class StepCache:
             self._fns[key] = build()
         return self._fns[key]
 
+    def put(self, key, fn: Callable) -> None:
+        """A function compiled ahead (a shape plan's): `get(key, ...)` returns it."""
+        self._fns[key] = fn
+
     def __len__(self) -> int:
         return len(self._fns)
 

@@ -29,6 +29,9 @@ class RolloutConfig:
     vision_min_units: int = 64
     obs_max_chars: int = 2000
     obs_max_images: int = 4
+    # Images per prompt the shape plan makes room for (`shapes.RolloutPlan`); a prompt with more
+    # still runs, in a vision shape outside the plan (one compilation, reported).
+    prompt_images: int = 1
     obs_max_pixels: int = 1024 * 28 * 28
     overlap: bool = True
     # Overlap mode appends ready observations while other rows still decode only once at least this

@@ -100,6 +100,20 @@ class RowPlacement:
         """x with its rows (dimension `batch_dim`) on the mesh's data axis; unchanged without a mesh."""
         return x if self.mesh is None else sharding.place_rows(x, self.mesh, batch_dim)
 
+    def settle(self, tree):
+        """`tree`'s arrays in their row sharding (`rows`), moved only where a device call's output
+        came out laid out otherwise. With a mesh, each call's inputs then have one sharding whatever
+        call produced them, so a consumer compiles once per shape (the shape plan's warm-up covers
+        it), not once per producer. Unchanged without a mesh."""
+        if self.mesh is None:
+            return tree
+
+        def one(a):
+            want = sharding.row_sharding(self.mesh, a.shape)
+            return a if a.sharding == want else jax.device_put(a, want)
+
+        return jax.tree.map(one, tree)
+
     def init_cache(self, model, b: int, slots: int, dtype=None):
         """A fresh cache of b rows, created already split over the data axis (never whole on one device)."""
         if self.mesh is None:
@@ -121,6 +135,11 @@ class DeviceBatch:
     logits: jax.Array | None = None
     index: int = 0
     placement: RowPlacement = dataclasses.field(default_factory=RowPlacement)
+
+    def __setattr__(self, name, value):
+        if name in ("cache", "logits") and value is not None and "placement" in self.__dict__:
+            value = self.placement.settle(value)  # one layout per shape, whichever call made it
+        super().__setattr__(name, value)
 
     @property
     def size(self) -> int:

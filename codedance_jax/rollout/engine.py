@@ -74,6 +74,7 @@ from codedance_jax.rollout.record import Trajectory, split_vision
 from codedance_jax.rollout.rows import Phase, Row, pad_row, trajectory_rows
 from codedance_jax.rollout.sampler import Sampler, SamplingConfig, build_stop_table
 from codedance_jax.rollout.sandbox_turns import SandboxTurns
+from codedance_jax.rollout.shapes import RolloutPlan, grid_needs, rollout_plan
 
 Script = Callable[[int, int], "str | None"]  # (row, turn) -> text the policy is forced to write, or None
 
@@ -122,6 +123,9 @@ class RolloutEngine:
         # The device batch of the latest call, kept for inspection (its shardings) until the next
         # call starts; nothing reads it during a call.
         self.last_batch: DeviceBatch | None = None
+        # The shape plan of the last `warm_up` (None before): later calls with fewer rows or prompts
+        # are padded to it, so they run the programs it compiled.
+        self.plan: RolloutPlan | None = None
 
     @property
     def cache(self):
@@ -161,6 +165,8 @@ class RolloutEngine:
         stats = RolloutStats()
         rows = trajectory_rows(prompts, group_size, seed_offset, self.sampling.temperature, self.cfg.policy)
         b = round_up(len(rows), self.cfg.batch_multiple)
+        if self.plan is not None and b <= self.plan.rows and len(prompts) <= self.plan.prompt_rows:
+            b = self.plan.rows  # the warmed-up shapes (padding rows sit out)
         grow = self.cfg.cache_grow
         slots = min(grow, self.cfg.cache_slots) if grow > 0 else self.cfg.cache_slots
         st = RolloutState(
@@ -190,6 +196,62 @@ class RolloutEngine:
         self.last_batch = st.batch
         return [r.traj for r in rows], stats
 
+    def shape_plan(self, prompts: int, group_size: int = 1) -> RolloutPlan:
+        """The shapes a call of `prompts` x `group_size` rows can use (`shapes.rollout_plan`)."""
+        image = self.processor.image_config
+        return rollout_plan(self.cfg, self.model.cfg, rows=prompts * group_size, prompts=prompts,
+                            prompt_max_pixels=image.max_pixels, min_pixels=image.min_pixels,
+                            processor_max_pixels=image.max_pixels)
+
+    def warm_up(self, prompts: int, group_size: int = 1) -> dict:
+        """Compile every program of the shape plan for calls of up to `prompts` x `group_size` rows by
+        running each once on dummy inputs (the same code paths as a rollout, so the jit caches hold
+        exactly what the calls will look up). Later calls with fewer rows are padded to the plan.
+        Returns {"programs", "compilations", "seconds"}."""
+        t0, c0 = time.perf_counter(), CompileCounter.total()
+        plan = self.plan = self.shape_plan(prompts, group_size)
+        cfg, b, m = self.model.cfg, plan.rows, self.cfg.batch_multiple
+        q, pd = cfg.vision.merge_unit, cfg.vision.patch_dim
+        # One tiny image stands in for any: the vision call's shape is the plan's, not the image's.
+        grid = np.array([[1, cfg.vision.spatial_merge_size, cfg.vision.spatial_merge_size]])
+        pv = np.zeros((q, pd), np.float32)
+
+        def chunk(batch, n, length, kind, img, src=None, sel=None, rows_b=None):
+            ids = np.full((n, length), self.pad_id, np.int32)
+            mask = np.zeros_like(ids)
+            pos = np.zeros((3, n, length), np.int32)
+            feats = self._encode(kind, n, b, pv, grid) if img else None
+            batch.index = 0  # dummy writes: nothing is read back
+            self._device_chunk(batch, ids, mask, pos, feats, rows_b, src, sel)
+
+        batch = DeviceBatch(self.placement.init_cache(self.model, b, plan.cache_sizes[0]), placement=self.placement)
+        on = np.ones(b, bool)
+        for length in plan.prompt_buckets:
+            for img in (False, True):
+                chunk(batch, plan.prompt_rows, length, "prefill", img, src=np.zeros(b, np.int32), rows_b=on)
+        sizes = list(plan.cache_sizes)
+        for k, size in enumerate(sizes):
+            if k:  # every growth that can reach this size (the batch continues at the largest source)
+                for a in sizes[:k]:
+                    grown = DeviceBatch(self.placement.init_cache(self.model, b, a), batch.logits, 0, self.placement)
+                    grown.grow(size)
+                batch = grown
+            for nb in plan.row_buckets:
+                rows_b = np.arange(b) < nb
+                sel = row_subset(rows_b, m)
+                for length in plan.obs_buckets:
+                    for img in (False, True):
+                        chunk(batch, nb, length, "append", img, sel=sel, rows_b=rows_b)
+                batch.index = 0
+                z = np.zeros(b, np.int32)
+                batch.decode(self.sampler, rows_b, z, np.full((b, self.hist_len), -1, np.int32),
+                             np.full((b, self.cfg.decode_chunk), -1, np.int32), z, z, multiple=m)
+            batch.drop(np.zeros((b, size), bool), np.zeros(b, np.int32))
+            batch.compact(np.ones(b, bool))
+        jax.block_until_ready(batch.cache)
+        return {"programs": len(plan.programs()), "compilations": CompileCounter.total() - c0,
+                "seconds": time.perf_counter() - t0}
+
     # ------------------------------------------------------------------------------ setup
     def _prefill(self, st: RolloutState, prompts):
         """Prefill each prompt (and encode its images) once, then copy its cache row to its G group
@@ -215,6 +277,8 @@ class RolloutEngine:
         if length > self.cfg.max_total_tokens:
             raise ValueError(f"prompt bucket {length} > max_total_tokens {self.cfg.max_total_tokens}")
         n_src = round_up(len(prompts), self.cfg.batch_multiple)
+        if self.plan is not None and len(prompts) <= self.plan.prompt_rows:
+            n_src = self.plan.prompt_rows
         ids = np.full((n_src, length), self.pad_id, np.int32)
         mask = np.zeros_like(ids)
         for i, s in enumerate(prompt_ids):  # left padding: every row's last prompt token in the last column
@@ -265,7 +329,6 @@ class RolloutEngine:
         `rows_b` (in order), padded to a row bucket, and only they run through the model.
         """
         cfg = self.model.cfg
-        place = self.placement.rows
         t0 = time.perf_counter()
         self._ensure_room(st, ids.shape[1])
         b = len(st.rows)
@@ -282,22 +345,16 @@ class RolloutEngine:
             spatial_merge_size=cfg.vision.spatial_merge_size,
             start=start,
         )
-        ids, mask, pos = place(np.asarray(ids, np.int32)), place(np.asarray(mask, np.int32)), place(pos, 1)
-        feats = None
-        if pv is not None:
-            tv = time.perf_counter()
-            vis = vision_inputs(pv, grid, cfg, **vision_bucket(grid, cfg, self.cfg.vision_min_units))
-            feats = jax.block_until_ready(encode_vision(self.model, vis))
-            st.stats.vision_s += time.perf_counter() - tv
-            t0 += time.perf_counter() - tv
-        if src is not None:  # prefill once per prompt, then share the rows
-            st.batch.prefill(self.model, ids, mask, pos, feats, src, rows_b)
+        tv = time.perf_counter()
+        feats = self._encode(kind, ids.shape[0], b, pv, grid)
+        st.stats.vision_s += time.perf_counter() - tv
+        t0 += time.perf_counter() - tv
+        self._device_chunk(st.batch, ids, mask, pos, feats, rows_b, src, sel)
+        if src is not None:
             rows_next = [(i, next_pos[src[i]]) for i in range(b) if rows_b[i]]
         elif sel is not None:
-            st.batch.extend(self.model, ids, mask, pos, feats, rows_b, sel)
             rows_next = [(int(i), next_pos[j]) for j, i in enumerate(sel) if rows_b[i]]
         else:
-            st.batch.extend(self.model, ids, mask, pos, feats, rows_b)
             rows_next = [(i, next_pos[i]) for i in range(b) if rows_b[i]]
         for i, nxt in rows_next:
             st.rows[i].next_pos = int(nxt)
@@ -307,6 +364,33 @@ class RolloutEngine:
         else:
             st.stats.append_s += dt
             st.stats.appends += 1
+
+    def _encode(self, kind: str, rows: int, batch: int, pv, grid):
+        """Image features of a chunk of `rows` rows (None without images), in the plan's vision shape
+        for (kind, rows) when the images fit it, else in a power-of-two bucket (outside the plan)."""
+        if pv is None:
+            return None
+        cfg = self.model.cfg
+        shape = vision_bucket(grid, cfg, self.cfg.vision_min_units)
+        plan = self._plan_for(batch)
+        if plan is not None:
+            units, windows = plan.vision(kind, rows)
+            need_units, need_windows = grid_needs(grid, cfg.vision)
+            if need_units <= units and need_windows <= windows:
+                shape = dict(num_units=units, num_windows=windows)
+        return jax.block_until_ready(encode_vision(self.model, vision_inputs(pv, grid, cfg, **shape)))
+
+    def _plan_for(self, batch: int) -> RolloutPlan | None:
+        return self.plan if self.plan is not None and self.plan.rows == batch else None
+
+    def _device_chunk(self, batch: DeviceBatch, ids, mask, pos, feats, rows_b, src, sel) -> None:
+        """The chunk's device calls (see `_write_chunk`): host arrays placed, then a prefill or an extend."""
+        place = self.placement.rows
+        ids, mask, pos = place(np.asarray(ids, np.int32)), place(np.asarray(mask, np.int32)), place(pos, 1)
+        if src is not None:  # prefill once per prompt, then share the rows
+            batch.prefill(self.model, ids, mask, pos, feats, src, rows_b)
+        else:
+            batch.extend(self.model, ids, mask, pos, feats, rows_b, sel)
 
     # ------------------------------------------------------------------------------ the loop
     def _loop(self, st: RolloutState):

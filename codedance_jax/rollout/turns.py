@@ -43,15 +43,24 @@ def sanitize(text: str) -> str:
     return text.replace("<|", "<\u200b|")
 
 
-def fit_image(png: bytes, max_pixels: int) -> Image.Image:
-    """Decode a captured PNG as RGB, downscaled (aspect kept) to at most `max_pixels` pixels."""
+def fit_image(png: bytes, max_pixels: int, factor: int = 28) -> Image.Image:
+    """Decode a captured PNG as RGB, resized (aspect kept, up to rounding) so that each side is a
+    multiple of `factor` (the processor's patch x merge), at least one, the area at most
+    `max_pixels` and the aspect ratio at most 200 (the processor's limit). The processor keeps such
+    a size as it is, so an observation image never needs more vision units or windows than the
+    rollout's shape plan holds for one (`shapes.image_caps`): model-written code cannot make a
+    shape outside the plan, nor a ValueError in the processor."""
     im = Image.open(io.BytesIO(png))
     im.load()
     im = im.convert("RGB")
     w, h = im.size
-    if w * h > max_pixels:
-        s = (max_pixels / (w * h)) ** 0.5
-        im = im.resize((max(1, int(w * s)), max(1, int(h * s))), Image.BICUBIC)
+    s = min(1.0, (max_pixels / (w * h)) ** 0.5)
+    tw, th = (max(factor, int(x * s) // factor * factor) for x in (w, h))
+    while tw * th > max_pixels and max(tw, th) > factor:  # the floor of 1 multiple can overshoot
+        tw, th = (tw - factor, th) if tw >= th else (tw, th - factor)
+    tw, th = min(tw, 200 * th), min(th, 200 * tw)
+    if (tw, th) != (w, h):
+        im = im.resize((tw, th), Image.BICUBIC)
     return im
 
 

@@ -32,8 +32,10 @@ from codedance_jax.train.batching import Bucket, Example
 PACK_SIXTEENTHS = (2, 3, 4, 6, 8)
 
 
-def pack_plan(attention_mask_bt: np.ndarray) -> np.ndarray | None:
-    """pack_src int32[B, K] for a right-padded batch, or None when packing would not save a factor 2."""
+def pack_plan(attention_mask_bt: np.ndarray, sixteenths: Sequence[int] = PACK_SIXTEENTHS) -> np.ndarray | None:
+    """pack_src int32[B, K] for a right-padded batch, or None when packing would not save a factor 2.
+    K = T n / 16 for the first n of `sixteenths` whose packed rows hold the batch (a run's shape
+    plan lists the few it compiles)."""
     b, t = attention_mask_bt.shape
     lengths = attention_mask_bt.astype(bool).sum(axis=1)
     bins: list[list[int]] = []
@@ -50,7 +52,7 @@ def pack_plan(attention_mask_bt: np.ndarray) -> np.ndarray | None:
         else:
             bins.append([row])
             room.append(t - n)
-    for n16 in PACK_SIXTEENTHS:
+    for n16 in sorted(sixteenths):
         k = t * n16 // 16
         if k == 0 or len(bins) * t > b * k:
             continue
@@ -109,8 +111,8 @@ def pack_examples(examples: Sequence[Example], bucket: Bucket) -> list[list[Exam
     return [[examples[i] for i in sorted(b)] for b in bins]
 
 
-def share_images(examples: Sequence[Example], bucket: Bucket, vision_cfg, *, row_multiple: int = 1
-                 ) -> dict[str, np.ndarray] | None:
+def share_images(examples: Sequence[Example], bucket: Bucket, vision_cfg, *, row_multiple: int = 1,
+                 rows: int | None = None) -> dict[str, np.ndarray] | None:
     """The batch's distinct images packed into fewer vision rows, or None (no gain).
 
     A GRPO batch holds each prompt's image once per group member (G copies) and pads every row's
@@ -125,7 +127,6 @@ def share_images(examples: Sequence[Example], bucket: Bucket, vision_cfg, *, row
     micro-batches (`grpo.whole_batch_fields` refuses), and the vision fields do not have the batch's
     rows (`rl_batch.pad_rows` leaves them).
     """
-    from codedance_jax.model.vision import make_plan
     from codedance_jax.train.batching import num_windows
 
     q, u, pd = vision_cfg.merge_unit, vision_cfg.window_merged**2, vision_cfg.patch_dim
@@ -155,11 +156,20 @@ def share_images(examples: Sequence[Example], bucket: Bucket, vision_cfg, *, row
         return None
     needs = [np.asarray(im[2:]) for im in images]  # (units, windows)
     bins = _first_fit(needs, np.asarray([nb, wb]), sorted(range(len(images)), key=lambda i: -images[i][2]))
+    if rows is not None:  # exactly this many vision rows (a shape plan's), or None when they do not hold the images
+        return None if len(bins) > rows else _shared_fields(examples, images, uses, bins, rows, nb, wb, q, u, pd, vision_cfg)
     r = row_multiple
     while r < len(bins):
         r *= 2
     if r >= b:
         return None
+    return _shared_fields(examples, images, uses, bins, r, nb, wb, q, u, pd, vision_cfg)
+
+
+def _shared_fields(examples, images, uses, bins, r, nb, wb, q, u, pd, vision_cfg) -> dict[str, np.ndarray]:
+    from codedance_jax.model.vision import make_plan
+
+    b = len(examples)
     out = {
         "pixel_values": np.zeros((r, nb * q, pd), np.float32),
         "unit_src": np.full((r, wb * u), -1, np.int32),

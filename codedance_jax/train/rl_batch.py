@@ -27,7 +27,7 @@ import numpy as np
 from codedance_jax.model.config import ModelConfig
 from codedance_jax.model.rope import mrope_positions
 from codedance_jax.train.batching import VISION_KEYS, Bucket, Example, choose_bucket, collate, num_windows
-from codedance_jax.train.packing import pack_plan
+from codedance_jax.train.packing import PACK_SIXTEENTHS, pack_plan
 from codedance_jax.train.packing import share_images as share_images_layout
 
 
@@ -54,7 +54,9 @@ def trajectory_example(traj, processor, cfg: ModelConfig, buckets: Sequence[Buck
 
 def grpo_batch(trajs, processor, cfg: ModelConfig, buckets: Sequence[Bucket], a_seq: np.ndarray,
                a_turn: np.ndarray, *, bucket: Bucket | None = None, examples=None, pack: bool | None = None,
-               share_images: bool | None = None, row_multiple: int | None = None) -> dict[str, np.ndarray]:
+               share_images: bool | None = None, row_multiple: int | None = None,
+               pack_sixteenths: Sequence[int] = PACK_SIXTEENTHS, vision_rows: int | None = None,
+               drop_pixels: bool | None = None) -> dict[str, np.ndarray]:
     """The GRPO batch of `trajs` (row order kept). A trajectory that fits no bucket is an error
     naming the sizes (raise the buckets or lower the rollout budgets: they must agree).
 
@@ -65,7 +67,12 @@ def grpo_batch(trajs, processor, cfg: ModelConfig, buckets: Sequence[Bucket], a_
     `feat_src` mapping each row's placeholders to its features (`packing.share_images`; default:
     as `pack`). row_multiple: what the mesh's batch axis needs of the vision row count (default:
     the device count, which any mesh's batch axis divides). Neither layout suits micro-batches:
-    pass both False with grad_accum > 1."""
+    pass both False with grad_accum > 1.
+
+    A run's shape plan (`runs/grpo_plan.py`) narrows the layouts: `pack_sixteenths` the packed
+    widths tried, `vision_rows` exactly that many shared vision rows (None: the fewest of
+    row_multiple x 2^k), `drop_pixels` whether a text-only batch leaves out the vision fields
+    (None: with one process; False keeps one field set for every batch)."""
     exs = examples if examples is not None else [trajectory_example(t, processor, cfg, buckets) for t in trajs]
     bad = [e for e in exs if e.bucket is None]
     if bad:
@@ -77,7 +84,8 @@ def grpo_batch(trajs, processor, cfg: ModelConfig, buckets: Sequence[Bucket], a_
     if pack is None:
         pack = jax.process_count() == 1
     share = pack if share_images is None else share_images
-    shared = share_images_layout(exs, bucket, cfg.vision, row_multiple=row_multiple or jax.device_count()) if share else None
+    shared = share_images_layout(exs, bucket, cfg.vision, row_multiple=row_multiple or jax.device_count(),
+                                 rows=vision_rows) if share else None
     batch = collate(exs, bucket, pad_id=processor.pad_id, vision_cfg=cfg.vision, vision=shared is None)
     if shared is not None:
         batch.update(shared)
@@ -95,13 +103,15 @@ def grpo_batch(trajs, processor, cfg: ModelConfig, buckets: Sequence[Bucket], a_
     batch["turn_ids"] = tid
     batch["a_seq"] = np.asarray(a_seq, np.float32)
     batch["a_turn"] = np.asarray(a_turn, np.float32)
-    if jax.process_count() == 1 and not any(len(e.grid_thw) for e in exs):
+    if drop_pixels is None:
+        drop_pixels = jax.process_count() == 1
+    if drop_pixels and not any(len(e.grid_thw) for e in exs):
         # Text only: without pixel_values the forward skips the vision tower (it would encode the
         # padding of the bucket: 3x the decoder's time at Tunix's sizes). The plan fields stay, for
         # the loop's metrics. One process only: hosts must agree on the batch's fields.
         batch.pop("pixel_values")
     if pack:
-        src = pack_plan(batch["attention_mask"])
+        src = pack_plan(batch["attention_mask"], pack_sixteenths)
         if src is not None:
             batch["pack_src"] = src
     return batch

@@ -59,8 +59,10 @@ def test_launch_eval_splits_rows_over_the_data_axis(tmp_path, tiny_checkpoint, s
     assert all(sum(t["loss_mask"]) > 0 for t in t_split)  # the model did generate
     np.testing.assert_allclose(sum((t["logprobs"] for t in t_split), []), sum((t["logprobs"] for t in t_whole), []),
                                atol=1e-5)
-    rows = str(PartitionSpec("data"))
-    assert st_split and all(s["row_shardings"] == dict.fromkeys(("cache.k", "cache.valid", "logits"), rows)
+    # rows split over `data`, the other dimensions whole (`RowPlacement.settle`'s one layout per shape)
+    rows = {"cache.k": str(PartitionSpec("data", None, None, None)), "cache.valid": str(PartitionSpec("data", None)),
+            "logits": str(PartitionSpec("data", None))}
+    assert st_split and all(s["row_shardings"] == rows
                             for s in st_split)
     assert all("data" not in json.dumps(s["row_shardings"]) for s in st_whole)  # default mesh: rows not split
 

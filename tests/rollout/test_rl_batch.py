@@ -92,7 +92,7 @@ def test_batch_stage_trains_only_the_kept_rows(model, processor):
     a_seq, a_turn = np.linspace(-1, 1, b).astype(np.float32), np.ones((b, m), np.float32)
     buckets = check_buckets([(256, 64, 16)])
     mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    ctx = types.SimpleNamespace(processor=processor, cfg=model.cfg, buckets=buckets, mesh=mesh, rules=None, rows=b,
+    ctx = types.SimpleNamespace(processor=processor, cfg=model.cfg, buckets=buckets, mesh=mesh, rules=None, rows=b, layout=None,
                                 hosts=1, config=types.SimpleNamespace(grad_accum=1, buckets=((256, 64, 16),)))
     ro = types.SimpleNamespace(trajectories=trajs)
     keep = np.array([True, False, True, False])

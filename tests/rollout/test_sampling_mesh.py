@@ -83,7 +83,7 @@ def _check_same(runs):
         assert [t.turn_status for t in trajs] == [t.turn_status for t in base], n
         assert stats.sampling_devices == n and stats.sampling_mesh == {"data": n, "fsdp": 1, "tensor": 1}
         cache_spec = stats.row_shardings["cache.k"]
-        assert cache_spec == str(PartitionSpec("data")) if n > 1 else "data" not in cache_spec
+        assert cache_spec == str(PartitionSpec("data", None, None, None)) if n > 1 else "data" not in cache_spec
     return base
 
 
