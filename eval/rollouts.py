@@ -45,17 +45,22 @@ def evaluate(
     script: Callable[[int, int], str | None] | None = None,
     samples: int = 1,
     intervals: bool = False,
+    warm_up: bool = False,
 ) -> Evaluation:
     """Roll out `prompts` (batches of `batch`, default all at once) and score those with answers.
 
     `pool`: a `SandboxPool` (None: code turns get an error observation); `text_only`: the prompt
     without code instructions; `script(row, turn)`: forced text (scripted policies in tests);
-    `samples`: trajectories per prompt (a sampling engine); `intervals`: add the 95% intervals.
+    `samples`: trajectories per prompt (a sampling engine); `intervals`: add the 95% intervals;
+    `warm_up`: compile the engine's shape plan for these batches first (`RolloutEngine.warm_up`), unless
+    a plan it already has holds them, so no batch compiles anything.
     """
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     cfg = engine.cfg
     batch = batch or max(1, len(prompts))
+    if warm_up and prompts and not engine.plan_holds(min(batch, len(prompts)), samples):
+        engine.warm_up(min(batch, len(prompts)), samples)
     trajs, stats = [], []
     for s in range(0, len(prompts), batch):
         chunk = prompts[s : s + batch]

@@ -361,8 +361,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
 def warm_up(ctx: GRPOContext, run: setup.Run, eval_engine, eval_prompts: list) -> dict:
     """Compile the run's shape plan (`runs/grpo_plan.py`) before its first step; the plan's
-    programs go to WORKDIR/shape_plan.json, its counts and time to the metrics (`plan/*`, at the
-    first step to run)."""
+    programs, compilations and time go to WORKDIR/shape_plan.json."""
     evaluates = ctx.config.eval.every or ctx.config.eval.get("at_start", False)
     n_eval = min(len(eval_prompts), int(ctx.config.eval.batch or len(eval_prompts))) if evaluates else 0
     out = grpo_plan.warm_up(ctx, run, eval_engine, n_eval)
@@ -372,8 +371,6 @@ def warm_up(ctx: GRPOContext, run: setup.Run, eval_engine, eval_prompts: list) -
                       f, indent=1)
         print(f"shape plan: {len(out['programs'])} programs, {out['compilations']} compilations in "
               f"{out['seconds']:.1f} s", flush=True)
-    run.writer.write(run.start, {"plan/programs": float(len(out["programs"])),
-                                 "plan/compilations": float(out["compilations"]), "plan/seconds": out["seconds"]})
     return out
 
 

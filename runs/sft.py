@@ -18,6 +18,7 @@ import time
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from codedance_jax.errors import ConfigError
 from codedance_jax.model.config import ModelConfig
@@ -162,6 +163,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     if run.data_state:
         data_it.set_state(checkpointing.decode_data_state(run.data_state))
     try:
+        warm_up(config, workdir, run, processor, cfg, mesh, rules, tx, sched, per_host)
         last = train_steps(config, run, data_it, cfg, mesh, rules, tx, sched)
     finally:
         run.close()
@@ -172,18 +174,61 @@ def train_and_evaluate(config, workdir: str) -> dict:
             "data_report": getattr(data_it, "report", None)}
 
 
+def step_builder(config, run: setup.Run, mesh, rules, tx, sched, bsh: dict):
+    return lambda: sft.make_train_step(run.mdef, tx, sched, run.state_sh, bsh, mesh, accum_steps=config.grad_accum,
+                                       rules=rules)
+
+
+def warm_up(config, workdir: str, run: setup.Run, processor, cfg: ModelConfig, mesh, rules, tx, sched, per_host: int) -> dict:
+    """The SFT shape plan: one train step per bucket of `config.data.buckets` (one padded row per
+    example; with `data.pack`, the one packed shape), compiled ahead of time in two threads before
+    step 1 and put in the run's step cache; the plan, its compilations and time go to
+    WORKDIR/shape_plan.json, and each metrics row counts the compilations since the last one."""
+    import concurrent.futures
+
+    from codedance_jax.rollout.buckets import CompileCounter
+    from codedance_jax.train import batching
+
+    t0, c0 = time.perf_counter(), CompileCounter.total()
+    pack = tuple(config.data.get("pack", ()))
+    if pack:
+        return {}  # packed rows: one shape, compiled at the first batch
+    rng = jax.device_put(jax.random.key(0), NamedSharding(mesh, PartitionSpec()))
+
+    def compile_one(bucket):
+        local = batching.collate_packed([], per_host, batching.Bucket(*bucket), pad_id=processor.pad_id,
+                                        vision_cfg=cfg.vision)
+        del local["segment_ids"]
+        bsh = sft.batch_shardings({k: v for k, v in local.items() if k in sft.BATCH_FIELDS}, mesh, rules)
+        fn = step_builder(config, run, mesh, rules, tx, sched, bsh)()
+        return setup.batch_key(local, bsh), fn.lower(run.state, global_batch(local, bsh), rng).compile()
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        for key, compiled in pool.map(compile_one, [tuple(b) for b in config.data.buckets]):
+            run.steps.put(key, compiled)
+    out = {"programs": [{"program": "sft step", "rows": per_host * jax.process_count(), "bucket": list(b)}
+                        for b in config.data.buckets],
+           "compilations": CompileCounter.total() - c0, "seconds": time.perf_counter() - t0}
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, "shape_plan.json"), "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
 def train_steps(config, run: setup.Run, data_it, cfg: ModelConfig, mesh, rules, tx, sched) -> dict:
     """The SFT loop: next batch -> the jitted step for its shape -> logs -> checkpoint; returns the
     last logged metrics."""
     peak = config.peak_tflops_per_device * 1e12 * jax.device_count()
-    last = {}
+    from codedance_jax.rollout.buckets import CompileCounter
+
+    rng = jax.device_put(jax.random.key(0), NamedSharding(mesh, PartitionSpec()))  # as the plan compiled it
+    last, c_last = {}, CompileCounter.total()
     t_last = time.time()
     for step in range(run.start, config.total_steps):
         local = next(data_it)
         bsh = sft.batch_shardings({k: v for k, v in local.items() if k in sft.BATCH_FIELDS}, mesh, rules)
-        step_fn = run.steps.get(setup.batch_key(local, bsh), lambda bsh=bsh: sft.make_train_step(
-            run.mdef, tx, sched, run.state_sh, bsh, mesh, accum_steps=config.grad_accum, rules=rules))
-        gb, rng = global_batch(local, bsh), jax.random.key(0)
+        step_fn = run.steps.get(setup.batch_key(local, bsh), step_builder(config, run, mesh, rules, tx, sched, bsh))
+        gb = global_batch(local, bsh)
         with jax.transfer_guard("disallow"):  # inputs are placed above: any other host<->device copy is a bug
             run.state, m = step_fn(run.state, gb, rng)
         if (step + 1) % config.log_every == 0 or step + 1 == config.total_steps:
@@ -194,7 +239,9 @@ def train_steps(config, run: setup.Run, data_it, cfg: ModelConfig, mesh, rules, 
             patches = float((local["unit_src"] >= 0).sum() * cfg.vision.merge_unit) * jax.process_count() if "unit_src" in local else 0.0
             fl = flops.train_flops(cfg, float(m["tokens"]), seq, patches)
             m = {**{k: float(v) for k, v in m.items()}, "step_time_s": dt, "tokens_per_s": float(m["tokens"]) / dt,
-                 "mfu": fl / dt / peak, "compiled_shapes": len(run.steps)}
+                 "mfu": fl / dt / peak, "compiled_shapes": len(run.steps),
+                 "compilations": float(CompileCounter.total() - c_last)}  # since the last row: 0 after the plan
+            c_last = CompileCounter.total()
             run.writer.write(step + 1, m)
             last = m
             if jax.process_index() == 0:

@@ -203,6 +203,11 @@ class RolloutEngine:
                             prompt_max_pixels=image.max_pixels, min_pixels=image.min_pixels,
                             processor_max_pixels=image.max_pixels)
 
+    def plan_holds(self, prompts: int, group_size: int = 1) -> bool:
+        """Whether the warmed-up plan runs calls of `prompts` x `group_size` rows (padded to it)."""
+        p = self.plan
+        return p is not None and round_up(prompts * group_size, self.cfg.batch_multiple) <= p.rows and prompts <= p.prompt_rows
+
     def warm_up(self, prompts: int, group_size: int = 1) -> dict:
         """Compile every program of the shape plan for calls of up to `prompts` x `group_size` rows by
         running each once on dummy inputs (the same code paths as a rollout, so the jit caches hold

@@ -98,7 +98,8 @@ def evaluate_policy(c, workdir: str, policy: str, out_dir: str, pool, *, sampled
         sampling, samples, batch = SamplingConfig(greedy=True, seed=e.seed), 1, e.batch_size
     engine = RolloutEngine(model, processor, rcfg, sampling)
     t0 = time.perf_counter()
-    res = evaluate(engine, prompts, pool, batch=batch, keys=tuple(e.metric_keys), samples=samples, intervals=True)
+    res = evaluate(engine, prompts, pool, batch=batch, keys=tuple(e.metric_keys), samples=samples, intervals=True,
+                   warm_up=True)
     summary, trajs = res.summary, res.trajectories
     summary["time_s"] = time.perf_counter() - t0
     os.makedirs(out_dir, exist_ok=True)
