@@ -32,6 +32,10 @@ class RolloutConfig:
     # Images per prompt the shape plan makes room for (`shapes.RolloutPlan`); a prompt with more
     # still runs, in a vision shape outside the plan (one compilation, reported).
     prompt_images: int = 1
+    # At most this many observation images are encoded in one append (0: every ready row's, up to
+    # rows x obs_max_images); rows past it wait for the next append. It bounds the plan's vision
+    # shape at scale (thousands of rows x four images of a megapixel each would be one call).
+    append_images: int = 0
     obs_max_pixels: int = 1024 * 28 * 28
     overlap: bool = True
     # Overlap mode appends ready observations while other rows still decode only once at least this

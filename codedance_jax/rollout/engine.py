@@ -568,14 +568,24 @@ class RolloutEngine:
             r.finish("length")
 
     def _append(self, st: RolloutState, ready: list[Row]):
+        cap = self.cfg.append_images and max(self.cfg.append_images, self.cfg.obs_max_images)
+        if cap:  # the first rows whose images fit one vision call; the others wait for the next append
+            take, n = [], 0
+            for r in ready:
+                k = len(r.obs.images)
+                if not take or n + k <= cap:
+                    take.append(r)
+                    n += k
+            ready = take
         b = len(st.rows)
         length = token_bucket(max(len(r.obs.ids) for r in ready), self.cfg.obs_buckets, "an observation")
         ids = np.full((b, length), self.pad_id, np.int32)
         mask = np.zeros((b, length), np.int32)
         on = np.zeros(b, bool)
         pvs, grids = [], []
+        chosen = {r.index for r in ready}
         for i, r in enumerate(st.rows):
-            if r.phase is not Phase.READY:
+            if i not in chosen:
                 continue
             n = len(r.obs.ids)
             ids[i, :n] = r.obs.ids

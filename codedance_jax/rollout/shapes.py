@@ -76,11 +76,15 @@ class RolloutPlan:
     obs_image: tuple[int, int]  # of one observation image
     prompt_images: int  # images per prompt row in the plan
     obs_images: int  # images per observation row
+    append_images: int = 0  # images per append call at most (0: rows x obs_images)
 
     def vision(self, kind: str, rows: int) -> tuple[int, int]:
         """(num_units, num_windows) of the planned vision call for `rows` rows of `kind` (prefill | append)."""
         (u, w), k = (self.prompt_image, self.prompt_images) if kind == "prefill" else (self.obs_image, self.obs_images)
-        return rows * k * u, rows * k * w
+        n = rows * k
+        if kind != "prefill" and self.append_images:
+            n = min(n, max(self.append_images, k))
+        return n * u, n * w
 
     def growths(self) -> list[tuple[int, int]]:
         return [(a, b) for i, a in enumerate(self.cache_sizes) for b in self.cache_sizes[i + 1 :]]
@@ -148,4 +152,4 @@ def rollout_plan(cfg, model_cfg, *, rows: int, prompts: int, prompt_max_pixels: 
         prompt_buckets=tuple(sorted(cfg.prompt_buckets)), obs_buckets=tuple(sorted(cfg.obs_buckets)),
         decode_chunk=cfg.decode_chunk, prompt_image=caps(int(prompt_max_pixels)),
         obs_image=caps(int(cfg.obs_max_pixels), snapped=True), prompt_images=int(cfg.prompt_images),
-        obs_images=int(cfg.obs_max_images))
+        obs_images=int(cfg.obs_max_images), append_images=int(cfg.append_images))

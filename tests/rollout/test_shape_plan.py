@@ -84,3 +84,19 @@ def test_no_compilation_after_warm_up(model, processor):
     trajs, s2 = engine.rollout(make_prompts(processor, 3, seed=12), 2, pool, script=script_b)
     assert s1.compiles == 0 and s2.compiles == 0, (s1.compiles, s2.compiles)
     assert s1.cache_growths + s2.cache_growths > 0 and any(t.images[1:] for t in trajs)
+
+
+def test_append_images_caps_the_vision_call_and_rows_wait(model, processor):
+    """append_images=1: four rows whose cells each return an image at once are appended one image
+    per call (the others wait), inside the plan, and the cache still holds exactly the tokens (the
+    recorded log-probs equal one full forward's)."""
+    from test_engine import assert_logprobs_match
+
+    cfg = small_config(append_images=1, obs_max_images=1, overlap=False)
+    engine = RolloutEngine(model, processor, cfg, SamplingConfig(greedy=True))
+    engine.warm_up(prompts=4)
+    assert engine.plan.vision("append", 8) == engine.plan.vision("append", 1)  # one image's room
+    trajs, stats = engine.rollout(make_prompts(processor, 4, seed=13), 1, FakePool(),
+                                  script=lambda r, m: CODE_IMG if m == 0 else ANSWER)
+    assert stats.compiles == 0 and stats.appends == 4 and all(len(t.images) == 2 for t in trajs)
+    assert_logprobs_match(model, processor, trajs)
