@@ -17,9 +17,10 @@ The functions are the engine's own jitted ones, called as the engine calls them:
   decode    `Sampler.chunk_call`: one `decode_chunk` of `rollout.decode_chunk` steps over all rows;
   append    `generate.extend_jit` (last_only) at each observation bucket over all rows;
   compact   `generate.compact_cache` (the full cache's slots moved in place);
-  vision    `generate.encode_jit` at the bucket of `obs_max_images` images of `obs_max_pixels`
-            each (one observation's cap; the engine encodes every row appended together, and at
-            prefill every prompt of the host, in one call: more images make a larger bucket).
+  vision    `generate.encode_jit` at the shape plan's two vision calls (`rollout/shapes.py`): the
+            prefill's (every prompt of the host, `prompt_images` each) and the append's (every
+            row, `obs_max_images` each, at most `append_images` per call), each image as large as
+            its pixel budget allows.
 Calls over a subset of the rows (a row bucket: `take_rows` / `put_rows`) are smaller than the
 whole-batch ones compiled here. Prefill and append carry image features of the vision bucket.
 """
@@ -27,7 +28,6 @@ whole-batch ones compiled here. Prefill and append carry image features of the v
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 
 import jax
@@ -39,9 +39,9 @@ from codedance_jax import sharding
 from codedance_jax.model import generate
 from codedance_jax.model.config import ModelConfig
 from codedance_jax.preflight import topology as pf
-from codedance_jax.rollout.buckets import round_up, vision_bucket
 from codedance_jax.rollout.config import RolloutConfig
 from codedance_jax.rollout.sampler import Sampler, SamplingConfig, StopTable
+from codedance_jax.rollout.shapes import rollout_plan
 from codedance_jax.train import flops
 from codedance_jax.train import state as st
 
@@ -62,15 +62,20 @@ class RolloutShape:
     prompt_rows: int  # rows of the prefill (one per prompt, padded to batch_multiple)
     cache_slots: int
     vision_images: int
-    vision_units: int
+    vision_units: int  # the append's vision call (the plan's, for the whole batch)
     vision_windows: int
+    prefill_units: int = 0  # the prefill's vision call
+    prefill_windows: int = 0
+    plan_programs: int = 0  # programs in the run's rollout shape plan (`rollout/shapes.py`)
 
     def describe(self) -> str:
         return (f"rollout: {self.hosts} host(s) x {self.chips_per_host} chips; per host {self.prompts_per_host} "
                 f"prompts x {self.group_size} = {self.rows} rows ({self.prompt_rows} prefill rows), "
                 f"{self.rows // self.rollout_chips} rows per chip over a data mesh of {self.rollout_chips} chip(s), "
-                f"parameters replicated; cache {self.cache_slots} slots; vision bucket {self.vision_units} image "
-                f"tokens / {self.vision_windows} windows ({self.vision_images} image(s))")
+                f"parameters replicated; cache {self.cache_slots} slots; vision of the shape plan: append "
+                f"{self.vision_units} image tokens / {self.vision_windows} windows ({self.vision_images} image(s)), "
+                f"prefill {self.prefill_units} / {self.prefill_windows}; the plan has {self.plan_programs} rollout "
+                f"programs, of which the whole-batch call of each kind at the largest cache size is compiled here")
 
 
 @dataclasses.dataclass
@@ -95,18 +100,20 @@ def rollout_shape(config, rcfg: RolloutConfig, mcfg: ModelConfig, chips: int, ro
                          f"{rollout_chips} chips (RolloutEngine(mesh=) splits the rows over them)")
     prompts = -(-int(config.prompts_per_step) // hosts)
     g = int(config.group_size)
-    vis = _vision_grid(rcfg, mcfg)
-    bk = vision_bucket(vis, mcfg, rcfg.vision_min_units)
-    return RolloutShape(hosts, per_host, rollout_chips, prompts, g, round_up(prompts * g, rcfg.batch_multiple),
-                        round_up(prompts, rcfg.batch_multiple), rcfg.cache_slots, len(vis), bk["num_units"],
-                        bk["num_windows"])
+    plan = rollout_plan(rcfg, mcfg, rows=prompts * g, prompts=prompts, prompt_max_pixels=prompt_max_pixels(config))
+    units, windows = plan.vision("append", plan.rows)
+    p_units, p_windows = plan.vision("prefill", plan.prompt_rows)
+    images = units // max(1, plan.obs_image[0])
+    return RolloutShape(hosts, per_host, rollout_chips, prompts, g, plan.rows, plan.prompt_rows, plan.cache_sizes[-1],
+                        images, units, windows, p_units, p_windows, len(plan.programs()))
 
 
-def _vision_grid(rcfg: RolloutConfig, mcfg: ModelConfig) -> np.ndarray:
-    """grid_thw of `obs_max_images` square images of `obs_max_pixels` (whole merge units per side)."""
-    v = mcfg.vision
-    side = max(1, int(math.isqrt(rcfg.obs_max_pixels) // (v.patch_size * v.spatial_merge_size))) * v.spatial_merge_size
-    return np.tile(np.array([[1, side, side]], np.int64), (max(1, rcfg.obs_max_images), 1))
+def prompt_max_pixels(config) -> int:
+    """The processor's pixel budget for prompt images: `config.data.max_pixels` when the run sets
+    one, else the Qwen2.5-VL processor's default."""
+    from codedance_jax.processing.image import ImageConfig
+
+    return int(config.data.get("max_pixels", 0) or ImageConfig().max_pixels)
 
 
 def per_chip_bytes(tree) -> int:
@@ -143,12 +150,16 @@ def rollout_calls(config, mcfg: ModelConfig, devices, rollout_chips: int = 0) ->
     cache = _abstract(jax.eval_shape(lambda: model.init_cache(b, s)), rows())
     small = _abstract(jax.eval_shape(lambda: model.init_cache(n, s)), rows())
 
-    grid = _vision_grid(rcfg, mcfg)
-    units = int(np.sum(grid[:, 1] * grid[:, 2])) // mcfg.vision.merge_unit
-    pv = np.zeros((units * mcfg.vision.merge_unit, mcfg.vision.patch_dim), np.float32)
+    # The plan's vision calls (`rollout/shapes.py`): one stand-in image, the call's shape is the plan's.
+    m = mcfg.vision.spatial_merge_size
+    grid = np.array([[1, m, m]], np.int64)
+    pv = np.zeros((mcfg.vision.merge_unit, mcfg.vision.patch_dim), np.float32)
     vis = _abstract(generate.vision_inputs(pv, grid, mcfg, num_windows=shape.vision_windows,
                                            num_units=shape.vision_units), rep)
     feats = _abstract(generate.encode_jit.eval_shape(model, vis), rep)
+    vis_p = _abstract(generate.vision_inputs(pv, grid, mcfg, num_windows=shape.prefill_windows,
+                                             num_units=shape.prefill_units), rep)
+    feats_p = _abstract(generate.encode_jit.eval_shape(model, vis_p), rep)
 
     def chunk(batch, length):
         i32 = jax.ShapeDtypeStruct((batch, length), jnp.int32)
@@ -163,7 +174,7 @@ def rollout_calls(config, mcfg: ModelConfig, devices, rollout_chips: int = 0) ->
 
     patches = shape.vision_units * mcfg.vision.merge_unit
     prompt_buckets = sorted(x for x in rcfg.prompt_buckets if x <= rcfg.max_total_tokens)
-    logits_n = _abstract(generate.extend_jit.eval_shape(model, small, *chunk(n, prompt_buckets[0]), feats,
+    logits_n = _abstract(generate.extend_jit.eval_shape(model, small, *chunk(n, prompt_buckets[0]), feats_p,
                                                         last_only=True)[0], rows())
     logits_b = _abstract(jax.ShapeDtypeStruct((b, logits_n.shape[1]), logits_n.dtype), rows())
     # What the engine keeps alive around a call besides its arguments: the batch's cache, allocated
@@ -174,7 +185,7 @@ def rollout_calls(config, mcfg: ModelConfig, devices, rollout_chips: int = 0) ->
 
     calls = []
     for length in prompt_buckets:
-        calls.append(RolloutCall(f"rollout.prefill@{length}", generate.extend_jit, (model, small, *chunk(n, length), feats),
+        calls.append(RolloutCall(f"rollout.prefill@{length}", generate.extend_jit, (model, small, *chunk(n, length), feats_p),
                                  {"last_only": True}, fwd_flops(n, length), cache_note, held_cache))
     i32_b = _abstract(jax.ShapeDtypeStruct((b,), jnp.int32), rows())
     on_b = _abstract(jax.ShapeDtypeStruct((b,), jnp.bool_), rows())
@@ -201,7 +212,10 @@ def rollout_calls(config, mcfg: ModelConfig, devices, rollout_chips: int = 0) ->
                                  held_logits))
     calls.append(RolloutCall("rollout.compact_cache", generate.compact_cache, (cache,), {}, 0.0,
                              "the engine holds the logits meanwhile", held_logits))
-    calls.append(RolloutCall(f"rollout.vision@{shape.vision_units}", generate.encode_jit, (model, vis), {},
+    calls.append(RolloutCall(f"rollout.vision.prefill@{shape.prefill_units}", generate.encode_jit, (model, vis_p), {},
+                             flops.train_flops(mcfg, 0, 1, shape.prefill_units * mcfg.vision.merge_unit) / 3,
+                             "the engine holds the batch's KV cache meanwhile", held_cache))
+    calls.append(RolloutCall(f"rollout.vision.append@{shape.vision_units}", generate.encode_jit, (model, vis), {},
                              flops.train_flops(mcfg, 0, 1, patches) / 3,
                              "the engine holds the batch's KV cache and logits meanwhile; one group (G = 1): every "
                              "chip of the data mesh encodes the whole call", held_cache + held_logits))
