@@ -22,7 +22,6 @@ import time
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from codedance_jax.rollout.buckets import CompileCounter
 from codedance_jax.train.batching import Bucket
@@ -109,7 +108,7 @@ def warm_up(ctx: stages.GRPOContext, run: setup.Run, eval_engine=None, eval_prom
                      "vision_rows": r if r is not None else ctx.rows})
         if ctx.ref_params is not None:
             rows.append({**rows[-1], "program": "reference log-probs"})
-    rng = jax.device_put(jax.random.key(0), NamedSharding(ctx.mesh, PartitionSpec()))
+    rng = setup.replicated_key(0, ctx.mesh)
     warm_rewards(ctx)
     rows.append({"program": "R_BAT advantages and rewards", "rows": ctx.n_local * ctx.hosts})
 

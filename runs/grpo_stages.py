@@ -25,7 +25,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from codedance_jax.model.config import ModelConfig
 from codedance_jax.rl import GRPOLossConfig, RBATConfig, rbat_advantages, rbat_rewards, scoring, selection
@@ -344,7 +344,7 @@ def update(ctx: GRPOContext, run: setup.Run, b: GRPOBatch, step: int) -> Update:
     t0 = time.perf_counter()
     step_fn = run.steps.get(update_key(ctx, b.key), lambda: build_update(ctx, run, b.shardings))
     # Placed replicated, as the plan's ahead-of-time compile took it (`runs/grpo_plan.py`).
-    rng = jax.device_put(jax.random.key(step), NamedSharding(ctx.mesh, PartitionSpec()))
+    rng = setup.replicated_key(step, ctx.mesh)
     with jax.transfer_guard("disallow"):  # inputs are placed above: any other host<->device copy is a bug
         state, m = step_fn(run.state, b.arrays, rng)
     m = {k: float(v) for k, v in jax.device_get(m).items()}

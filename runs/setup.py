@@ -15,11 +15,13 @@ a run that raises still leaves its last checkpoint whole.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from codedance_jax import sharding as shd
 from codedance_jax.errors import ConfigError
@@ -91,6 +93,20 @@ def on_process_zero(name: str, fn: Callable[[], Any]) -> None:
 def batch_key(batch: dict, fields=None) -> tuple:
     """The shapes of a batch (of `fields`, default all): one compiled step per key."""
     return tuple((k, v.shape) for k, v in sorted(batch.items()) if fields is None or k in fields)
+
+
+@functools.lru_cache(maxsize=8)
+def _key_maker(mesh):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return jax.jit(jax.random.key, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+def replicated_key(seed: int, mesh):
+    """The PRNG key of `seed`, replicated over `mesh` and made on device by every process (a
+    `device_put` of a host key cannot reach other processes' devices); one compiled program for
+    every seed, so the step functions compiled ahead of time take it as the loop passes it."""
+    return _key_maker(mesh)(np.uint32(seed))
 
 
 class StepCache:

@@ -18,7 +18,6 @@ import time
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from codedance_jax.errors import ConfigError
 from codedance_jax.model.config import ModelConfig
@@ -193,7 +192,7 @@ def warm_up(config, workdir: str, run: setup.Run, processor, cfg: ModelConfig, m
     pack = tuple(config.data.get("pack", ()))
     if pack:
         return {}  # packed rows: one shape, compiled at the first batch
-    rng = jax.device_put(jax.random.key(0), NamedSharding(mesh, PartitionSpec()))
+    rng = setup.replicated_key(0, mesh)
 
     def compile_one(bucket):
         local = batching.collate_packed([], per_host, batching.Bucket(*bucket), pad_id=processor.pad_id,
@@ -221,7 +220,7 @@ def train_steps(config, run: setup.Run, data_it, cfg: ModelConfig, mesh, rules, 
     peak = config.peak_tflops_per_device * 1e12 * jax.device_count()
     from codedance_jax.rollout.buckets import CompileCounter
 
-    rng = jax.device_put(jax.random.key(0), NamedSharding(mesh, PartitionSpec()))  # as the plan compiled it
+    rng = setup.replicated_key(0, mesh)  # as the plan compiled it
     last, c_last = {}, CompileCounter.total()
     t_last = time.time()
     for step in range(run.start, config.total_steps):

@@ -121,8 +121,11 @@ def test_grpo_rollout_functions_compile_for_one_host_with_rows_split_over_its_ch
     # One host of 4 chips: 4 prompts x 4 = 16 rows, 4 per chip; the prefill runs one row per prompt (padded to 8).
     assert "1 host(s) x 4 chips" in plan.rollout and "16 rows (8 prefill rows), 4 rows per chip" in plan.rollout
     names = [e.name for e in plan.entries]
-    assert names == ["rollout.prefill@128", "rollout.share_prompts", "rollout.decode_chunk x16", "rollout.append@64",
-                     "rollout.compact_cache", "rollout.vision@64"]
+    assert names[:5] == ["rollout.prefill@128", "rollout.share_prompts", "rollout.decode_chunk x16", "rollout.append@64",
+                         "rollout.compact_cache"]
+    # the shape plan's two vision calls (rollout/shapes.py): the host's prompts', every row's observation images
+    assert [n.split("@")[0] for n in names[5:]] == ["rollout.vision.prefill", "rollout.vision.append"], names
+    assert "rollout programs" in plan.rollout
     reports = preflight_plan_compile(plan)
     for r in reports:
         assert r.chips == 4 and r.fits, (r.name, r.total_bytes)
@@ -133,7 +136,7 @@ def test_grpo_rollout_functions_compile_for_one_host_with_rows_split_over_its_ch
     cache_per_chip = 2 * 2 * 16 * 512 * 2 * 16 * 4 // 4  # layers, k/v, rows, slots, KV heads, head dim, bytes
     for name in ("rollout.decode_chunk x16", "rollout.append@64"):
         assert by[name].alias_bytes >= cache_per_chip, (name, by[name].alias_bytes)  # the cache is donated
-    assert by["rollout.vision@64"].xla_flops > 0 and by["rollout.prefill@128"].xla_flops > 0
+    assert by[names[5]].xla_flops > 0 and by[names[6]].xla_flops > 0 and by["rollout.prefill@128"].xla_flops > 0
 
 
 @needs_libtpu
