@@ -32,6 +32,22 @@ def encode_jit(model: Qwen25VL, vis: VisionInputs):
     return model.encode_images(vis)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def zeros_features(n: int, d: int, dtype) -> jax.Array:
+    """A zero feature buffer [1, n, d] for `encode_into_jit`."""
+    return jnp.zeros((1, n, d), dtype)
+
+
+@functools.partial(nnx.jit, donate_argnames=("feats",), graph=False)
+def encode_into_jit(model: Qwen25VL, feats, vis: VisionInputs, offset):
+    """feats [1, N, D] with the features of `vis` (one image, in its plan's shape) written from
+    unit `offset` on: a chunk's images are encoded one per call into one buffer, so the vision
+    tower's full-attention blocks never span two images (O(patches^2) per image, not per call)
+    and every call has one shape."""
+    f = model.encode_images(vis).astype(feats.dtype)
+    return jax.lax.dynamic_update_slice(feats, f, (0, offset, 0))
+
+
 @functools.partial(nnx.jit, static_argnames=("last_only", "fresh"), donate_argnames=("cache",), graph=False)
 def extend_jit(model: Qwen25VL, cache: KVCache, ids, mask, positions, feats, last_only: bool, fresh: bool = False):
     if last_only:

@@ -17,10 +17,10 @@ The functions are the engine's own jitted ones, called as the engine calls them:
   decode    `Sampler.chunk_call`: one `decode_chunk` of `rollout.decode_chunk` steps over all rows;
   append    `generate.extend_jit` (last_only) at each observation bucket over all rows;
   compact   `generate.compact_cache` (the full cache's slots moved in place);
-  vision    `generate.encode_jit` at the shape plan's two vision calls (`rollout/shapes.py`): the
-            prefill's (every prompt of the host, `prompt_images` each) and the append's (every
-            row, `obs_max_images` each, at most `append_images` per call), each image as large as
-            its pixel budget allows.
+  vision    `generate.encode_into_jit` at the shape plan's two one-image calls (`rollout/shapes.py`):
+            a prompt image and an observation image, each as large as its pixel budget allows,
+            written into the chunk's feature buffer (every prompt of the host, `prompt_images`
+            each; every row, `obs_max_images` each, at most `append_images` per append).
 Calls over a subset of the rows (a row bucket: `take_rows` / `put_rows`) are smaller than the
 whole-batch ones compiled here. Prefill and append carry image features of the vision bucket.
 """
@@ -62,20 +62,23 @@ class RolloutShape:
     prompt_rows: int  # rows of the prefill (one per prompt, padded to batch_multiple)
     cache_slots: int
     vision_images: int
-    vision_units: int  # the append's vision call (the plan's, for the whole batch)
+    vision_units: int  # the append's feature buffer (the plan's, for the whole batch)
     vision_windows: int
-    prefill_units: int = 0  # the prefill's vision call
+    prefill_units: int = 0  # the prefill's feature buffer
     prefill_windows: int = 0
     plan_programs: int = 0  # programs in the run's rollout shape plan (`rollout/shapes.py`)
+    obs_image: tuple[int, int] = (0, 0)  # (units, windows) of one observation image's vision call
+    prompt_image: tuple[int, int] = (0, 0)  # of one prompt image's
 
     def describe(self) -> str:
         return (f"rollout: {self.hosts} host(s) x {self.chips_per_host} chips; per host {self.prompts_per_host} "
                 f"prompts x {self.group_size} = {self.rows} rows ({self.prompt_rows} prefill rows), "
                 f"{self.rows // self.rollout_chips} rows per chip over a data mesh of {self.rollout_chips} chip(s), "
-                f"parameters replicated; cache {self.cache_slots} slots; vision of the shape plan: append "
-                f"{self.vision_units} image tokens / {self.vision_windows} windows ({self.vision_images} image(s)), "
-                f"prefill {self.prefill_units} / {self.prefill_windows}; the plan has {self.plan_programs} rollout "
-                f"programs, of which the whole-batch call of each kind at the largest cache size is compiled here")
+                f"parameters replicated; cache {self.cache_slots} slots; vision of the shape plan: one call per "
+                f"image ({self.prompt_image[0]} units for a prompt image, {self.obs_image[0]} for an observation's) "
+                f"into buffers of {self.prefill_units} (prefill) and {self.vision_units} (append, "
+                f"{self.vision_images} image(s)) units; the plan has {self.plan_programs} rollout programs, of which "
+                f"the whole-batch call of each kind at the largest cache size is compiled here")
 
 
 @dataclasses.dataclass
@@ -105,7 +108,8 @@ def rollout_shape(config, rcfg: RolloutConfig, mcfg: ModelConfig, chips: int, ro
     p_units, p_windows = plan.vision("prefill", plan.prompt_rows)
     images = units // max(1, plan.obs_image[0])
     return RolloutShape(hosts, per_host, rollout_chips, prompts, g, plan.rows, plan.prompt_rows, plan.cache_sizes[-1],
-                        images, units, windows, p_units, p_windows, len(plan.programs()))
+                        images, units, windows, p_units, p_windows, len(plan.programs()), plan.obs_image,
+                        plan.prompt_image)
 
 
 def prompt_max_pixels(config) -> int:
@@ -154,12 +158,14 @@ def rollout_calls(config, mcfg: ModelConfig, devices, rollout_chips: int = 0) ->
     m = mcfg.vision.spatial_merge_size
     grid = np.array([[1, m, m]], np.int64)
     pv = np.zeros((mcfg.vision.merge_unit, mcfg.vision.patch_dim), np.float32)
-    vis = _abstract(generate.vision_inputs(pv, grid, mcfg, num_windows=shape.vision_windows,
-                                           num_units=shape.vision_units), rep)
-    feats = _abstract(generate.encode_jit.eval_shape(model, vis), rep)
-    vis_p = _abstract(generate.vision_inputs(pv, grid, mcfg, num_windows=shape.prefill_windows,
-                                             num_units=shape.prefill_units), rep)
-    feats_p = _abstract(generate.encode_jit.eval_shape(model, vis_p), rep)
+    vis = _abstract(generate.vision_inputs(pv, grid, mcfg, num_windows=shape.obs_image[1],
+                                           num_units=shape.obs_image[0]), rep)
+    vis_p = _abstract(generate.vision_inputs(pv, grid, mcfg, num_windows=shape.prompt_image[1],
+                                             num_units=shape.prompt_image[0]), rep)
+    d_model, fdt = mcfg.text.hidden_size, jnp.dtype(mcfg.compute_dtype)
+    feats = _abstract(jax.ShapeDtypeStruct((1, shape.vision_units + shape.obs_image[0], d_model), fdt), rep)
+    feats_p = _abstract(jax.ShapeDtypeStruct((1, shape.prefill_units + shape.prompt_image[0], d_model), fdt), rep)
+    offset = _abstract(jax.ShapeDtypeStruct((), jnp.int32), rep)
 
     def chunk(batch, length):
         i32 = jax.ShapeDtypeStruct((batch, length), jnp.int32)
@@ -172,7 +178,6 @@ def rollout_calls(config, mcfg: ModelConfig, devices, rollout_chips: int = 0) ->
     def fwd_flops(batch, length):  # forward over the chunk; the output layer only at each row's last token
         return flops.train_flops(mcfg, batch * length, s) / 3 - 2 * d * v * batch * (length - 1)
 
-    patches = shape.vision_units * mcfg.vision.merge_unit
     prompt_buckets = sorted(x for x in rcfg.prompt_buckets if x <= rcfg.max_total_tokens)
     logits_n = _abstract(generate.extend_jit.eval_shape(model, small, *chunk(n, prompt_buckets[0]), feats_p,
                                                         last_only=True)[0], rows())
@@ -212,11 +217,14 @@ def rollout_calls(config, mcfg: ModelConfig, devices, rollout_chips: int = 0) ->
                                  held_logits))
     calls.append(RolloutCall("rollout.compact_cache", generate.compact_cache, (cache,), {}, 0.0,
                              "the engine holds the logits meanwhile", held_logits))
-    calls.append(RolloutCall(f"rollout.vision.prefill@{shape.prefill_units}", generate.encode_jit, (model, vis_p), {},
-                             flops.train_flops(mcfg, 0, 1, shape.prefill_units * mcfg.vision.merge_unit) / 3,
-                             "the engine holds the batch's KV cache meanwhile", held_cache))
-    calls.append(RolloutCall(f"rollout.vision.append@{shape.vision_units}", generate.encode_jit, (model, vis), {},
-                             flops.train_flops(mcfg, 0, 1, patches) / 3,
-                             "the engine holds the batch's KV cache and logits meanwhile; one group (G = 1): every "
-                             "chip of the data mesh encodes the whole call", held_cache + held_logits))
+    q = mcfg.vision.merge_unit
+    calls.append(RolloutCall(f"rollout.vision.prefill@{shape.prompt_image[0]}", generate.encode_into_jit,
+                             (model, feats_p, vis_p, offset), {},
+                             flops.train_flops(mcfg, 0, 1, shape.prompt_image[0] * q) / 3,
+                             "one prompt image (called once per image); the engine holds the batch's KV cache",
+                             held_cache))
+    calls.append(RolloutCall(f"rollout.vision.append@{shape.obs_image[0]}", generate.encode_into_jit,
+                             (model, feats, vis, offset), {}, flops.train_flops(mcfg, 0, 1, shape.obs_image[0] * q) / 3,
+                             "one observation image (called once per image); the engine holds the batch's KV cache "
+                             "and logits", held_cache + held_logits))
     return shape, calls

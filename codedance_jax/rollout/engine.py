@@ -62,7 +62,7 @@ from flax import nnx
 
 from codedance_jax.errors import ConfigError
 from codedance_jax.model import rope
-from codedance_jax.model.generate import encode_vision, vision_inputs
+from codedance_jax.model.generate import encode_into_jit, encode_vision, vision_inputs, zeros_features
 from codedance_jax.protocol import get_turn_format
 from codedance_jax.rollout import turns as turn_lib
 from codedance_jax.rollout.buckets import CompileCounter, round_up, token_bucket, vision_bucket
@@ -376,13 +376,24 @@ class RolloutEngine:
         if pv is None:
             return None
         cfg = self.model.cfg
-        shape = vision_bucket(grid, cfg, self.cfg.vision_min_units)
         plan = self._plan_for(batch)
         if plan is not None:
-            units, windows = plan.vision(kind, rows)
-            need_units, need_windows = grid_needs(grid, cfg.vision)
-            if need_units <= units and need_windows <= windows:
-                shape = dict(num_units=units, num_windows=windows)
+            units, _ = plan.vision(kind, rows)
+            u1, w1 = plan.prompt_image if kind == "prefill" else plan.obs_image
+            grids = np.asarray(grid).reshape(-1, 3)
+            needs = [grid_needs(g[None], cfg.vision) for g in grids]
+            if sum(u for u, _ in needs) <= units and all(u <= u1 and w <= w1 for u, w in needs):
+                # One call per image into one buffer, each in the plan's one-image shape (room for
+                # the last image's padding past the plan's units).
+                feats = zeros_features(units + u1, cfg.text.hidden_size, cfg.compute_dtype)
+                off = p = 0
+                for g, (u, _) in zip(grids, needs, strict=True):
+                    n = int(np.prod(g))
+                    vis = vision_inputs(pv[p : p + n], g[None], cfg, num_windows=w1, num_units=u1)
+                    feats = encode_into_jit(self.model, feats, vis, np.int32(off))
+                    off, p = off + u, p + n
+                return jax.block_until_ready(feats)
+        shape = vision_bucket(grid, cfg, self.cfg.vision_min_units)  # outside the plan: a power-of-two bucket
         return jax.block_until_ready(encode_vision(self.model, vision_inputs(pv, grid, cfg, **shape)))
 
     def _plan_for(self, batch: int) -> RolloutPlan | None:
