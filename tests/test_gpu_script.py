@@ -1,5 +1,6 @@
-"""benchmarks/gpu.py runs without a GPU: its smoke mode (the toy preset, every section) writes a JSON
-with a finite, positive figure for each section, so the one-command GPU script cannot rot unseen."""
+"""benchmarks/gpu.py runs without a GPU: its smoke mode (every section on a cut-down toy model, on CPU)
+writes a JSON with a finite, positive figure for each section, so the one-command GPU script cannot
+rot unseen; and its table finds the peaks of the GPUs it names."""
 
 import importlib.util
 import json
@@ -24,6 +25,12 @@ def _finite(x) -> bool:
 
 def test_smoke_mode_writes_every_section_with_finite_numbers(tmp_path):
     gpu = _load_script()
+    peaks = {k: gpu.device_peaks(k, None, None) for k in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200",
+                                                         "NVIDIA A100-SXM4-80GB", "cpu")}
+    assert [(p["tflops"], p["hbm_gbps"]) for p in peaks.values()] == [
+        (989.0, 3350.0), (756.0, 2000.0), (989.0, 4800.0), (312.0, 2000.0), (None, None)]
+    assert gpu.device_peaks("NVIDIA H100 80GB HBM3", None, 3000.0)["hbm_gbps"] == 3000.0  # a flag overrides
+
     out = tmp_path / "gpu_smoke.json"
     # Peaks given as flags: a CPU is in no table, and the floors and MFU are part of what is checked.
     ret = gpu.main(["--smoke", "--peak_tflops", "0.5", "--hbm_gbps", "20", "--out", str(out)])
