@@ -217,14 +217,17 @@ class RolloutEngine:
         plan = self.plan = self.shape_plan(prompts, group_size)
         cfg, b, m = self.model.cfg, plan.rows, self.cfg.batch_multiple
         q, pd = cfg.vision.merge_unit, cfg.vision.patch_dim
-        # One tiny image stands in for any: the vision call's shape is the plan's, not the image's.
-        grid = np.array([[1, cfg.vision.spatial_merge_size, cfg.vision.spatial_merge_size]])
-        pv = np.zeros((q, pd), np.float32)
+        # Tiny images stand in for any: the vision calls' shape is the plan's, not the image's. Two
+        # of them where the call has room: the first call into a chunk's buffer takes a fresh one,
+        # the next ones the previous call's output (laid out by the model's mesh), two programs.
+        m2 = cfg.vision.spatial_merge_size
 
         def chunk(batch, n, length, kind, img, src=None, sel=None, rows_b=None):
             ids = np.full((n, length), self.pad_id, np.int32)
             mask = np.zeros_like(ids)
             pos = np.zeros((3, n, length), np.int32)
+            k = 2 if plan.vision(kind, n)[0] >= 2 * (plan.prompt_image if kind == "prefill" else plan.obs_image)[0] else 1
+            grid, pv = np.tile([[1, m2, m2]], (k, 1)), np.zeros((k * q, pd), np.float32)
             feats = self._encode(kind, n, b, pv, grid) if img else None
             batch.index = 0  # dummy writes: nothing is read back
             self._device_chunk(batch, ids, mask, pos, feats, rows_b, src, sel)

@@ -74,6 +74,9 @@ def test_demo_mini_writes_the_report(tmp_path):
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["reward/total"]) for r in rows)
     sft_rows = [json.loads(x) for x in open(tmp_path / "sft" / "metrics.jsonl")]
     assert sft_rows and all(math.isfinite(r["loss"]) for r in sft_rows)
+    # Both loops compiled their shape plan before step 1 (issue 36): no step compiles anything.
+    assert [r["compilations"] for r in rows + sft_rows] == [0] * (len(rows) + len(sft_rows))
+    assert json.loads((tmp_path / "grpo" / "shape_plan.json").read_text())["compilations"] >= 0
     # The held-out trajectories carry what the report shows, and their images exist.
     rec = json.loads(open(tmp_path / "eval_grpo" / "trajectories.jsonl").readline())
     assert rec["meta"]["family"] in ("count", "bars", "find") and isinstance(rec["text"], str)
