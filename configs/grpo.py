@@ -144,10 +144,12 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.prompts_per_step, c.group_size, c.total_steps, c.grad_accum = 4, 4, 4, 1
         c.optim.lr, c.optim.warmup_ratio = 5e-4, 0.0
         c.rollout.update(max_turns=3, max_turn_tokens=48, max_new_tokens=128, max_total_tokens=448,
-                         decode_chunk=16, batch_multiple=8, prompt_buckets=(128, 256), obs_buckets=(64, 128),
+                         decode_chunk=16, batch_multiple=8, prompt_buckets=(256,), obs_buckets=(128,),
                          obs_max_pixels=112 * 112)
         c.sandbox.update(num_workers=2, timeout_s=10.0, memory_mb=1024)
-        c.buckets = ((256, 64, 16), (512, 160, 40))
+        # One bucket of each kind: each is a set of programs in the shape plan (runs/grpo_plan.py),
+        # compiled before step 1, and this preset only shows the mechanics.
+        c.buckets = ((512, 160, 40),)
         c.data.toyworld = True
         c.data.toy_sizes = (0, 16, 8)
         c.eval.update(every=2, max_turns=3, limit=8, batch=8)
