@@ -38,6 +38,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from codedance_jax import sharding as shd  # noqa: E402
@@ -68,6 +69,8 @@ class GRPOStepper:
         sampling = SamplingConfig(temperature=gcfg.rollout.temperature, seed=seed)
         self.engine = RolloutEngine(self.mdef.model(self.state.params), processor, rollout_config(gcfg), sampling)
         self.steps, self.lp_fns = {}, {}
+        # With the KL term on (the demo's loss.kl_coef), the frozen reference is the initial policy.
+        self.ref_params = jax.tree.map(jnp.copy, self.state.params) if self.loss_cfg.kl_coef > 0 else None
 
     def step(self, i, prompts, golds, group, pool, script):
         t = {}
@@ -94,9 +97,18 @@ class GRPOStepper:
         gb = {k: jax.device_put(v, bsh[k]) for k, v in local.items()}
         t["batch"] = time.perf_counter() - t0
         # Old log-probs: the update's own forward (one update per batch; `grpo_train_step(old_from_forward=)`),
-        # as in the loop; the logprob stage is the reference's forward, off here (no KL).
-        t["logprob"] = 0.0
+        # as in the loop; the logprob stage is the reference's forward, when the KL term is on.
         key = tuple((k, v.shape) for k, v in sorted(local.items()))
+        t0 = time.perf_counter()
+        if self.ref_params is not None:
+            lp_in = {k: v for k, v in gb.items() if k in sft.BATCH_FIELDS}
+            if key not in self.lp_fns:
+                lp_bsh = {k: v for k, v in bsh.items() if k in sft.BATCH_FIELDS}
+                self.lp_fns[key] = grpo.make_logprob_fn(self.mdef, self.state_sh.params, lp_bsh, self.mesh,
+                                                        temperature=self.gcfg.rollout.temperature)
+            gb["ref_logprobs"] = jax.block_until_ready(self.lp_fns[key](self.ref_params, lp_in))
+            bsh["ref_logprobs"] = bsh["old_logprobs"]
+        t["logprob"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         if key not in self.steps:
             self.steps[key] = grpo.make_grpo_step(self.mdef, self.tx, self.sched, self.loss_cfg, self.state_sh, bsh,
