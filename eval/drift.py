@@ -33,14 +33,17 @@ def _forward():
     return nnx.jit(run, static_argnums=6)
 
 
-def reference_logprobs(model, processor, trajs: Sequence, *, temperature: float = 1.0, pad_to: int = 64) -> list:
+def reference_logprobs(model, processor, trajs: Sequence, *, temperature: float = 1.0, pad_to: int = 64,
+                       length: int | None = None, rows: int | None = None, vision: dict | None = None) -> list:
     """log ref(token t | tokens < t) for each trajectory (float[T], entry 0 is 0), one forward per call.
-    Rows are right-padded to a multiple of `pad_to` (few shapes, few compiles)."""
+    Rows are right-padded to a multiple of `pad_to`, or to `length`; `rows` pads the batch with
+    empty rows and `vision` ({num_units, num_windows}) pads the vision plan, so that every call of
+    one `policy_drift` has one shape (one compilation)."""
     import jax.numpy as jnp
 
     n = max(len(t.tokens) for t in trajs)
-    length = -(-n // pad_to) * pad_to
-    ids = np.full((len(trajs), length), processor.pad_id, np.int64)
+    length = length or -(-n // pad_to) * pad_to
+    ids = np.full((max(rows or 0, len(trajs)), length), processor.pad_id, np.int64)
     mask = np.zeros_like(ids)
     images = []
     for r, t in enumerate(trajs):
@@ -48,7 +51,17 @@ def reference_logprobs(model, processor, trajs: Sequence, *, temperature: float 
         mask[r, : len(t.tokens)] = 1
         images.extend(t.images)
     pv, grid = processor.encode_images(images) if images else (None, None)
-    p = model.prepare(ids, mask, pv, grid)
+    if vision and pv is not None:  # the plan and the pixel rows padded (`prepare` pads the plan only)
+        from codedance_jax.model import rope
+        from codedance_jax.model.generate import vision_inputs
+
+        cfg = model.cfg
+        pos, _ = rope.mrope_positions(ids, mask, grid, image_token_id=cfg.image_token_id,
+                                      spatial_merge_size=cfg.vision.spatial_merge_size)
+        p = {"input_ids": jnp.asarray(ids, jnp.int32), "positions": jnp.asarray(pos),
+             "attention_mask": jnp.asarray(mask, jnp.int32), "vis": vision_inputs(pv, grid, cfg, **vision)}
+    else:
+        p = model.prepare(ids, mask, pv, grid)
     targets = jnp.asarray(np.concatenate([ids[:, 1:], ids[:, :1]], axis=1), jnp.int32)
     lp = np.asarray(_forward()(model, p["input_ids"], p["positions"], p["attention_mask"], p["vis"], targets,
                                float(temperature)))
@@ -72,13 +85,28 @@ def policy_drift(trajs: Iterable, model, processor, *, step_of, temperature: flo
     by_step: dict[int, list] = {}
     for t in trajs:
         by_step.setdefault(int(step_of(t)), []).append(t)
+    # One shape for every call (rows, tokens, vision plan), so the reference compiles once.
+    chunks = [g[i : i + batch] for g in by_step.values() for i in range(0, len(g), batch)]
+    shape = {}
+    if chunks:
+        from codedance_jax.rollout.shapes import grid_needs
+
+        pad = 64
+        shape["length"] = -(-max(len(t.tokens) for c in chunks for t in c) // pad) * pad
+        shape["rows"] = max(len(c) for c in chunks)
+        if all(getattr(t, "image_grid_thw", None) is not None or not t.images for c in chunks for t in c):
+            needs = [grid_needs(np.asarray([g for t in c for g in (getattr(t, "image_grid_thw", None) or [])]
+                                           ).reshape(-1, 3), model.cfg.vision) for c in chunks]
+            shape["vision"] = {"num_units": max(u for u, _ in needs) or 1,
+                               "num_windows": max(w for _, w in needs) or 1}
     rows = []
     for step in sorted(by_step):
         group = by_step[step]
         k1s, k3s = [], []
         for i in range(0, len(group), batch):
             chunk = group[i : i + batch]
-            for t, ref in zip(chunk, reference_logprobs(model, processor, chunk, temperature=temperature), strict=True):
+            refs = reference_logprobs(model, processor, chunk, temperature=temperature, **shape)
+            for t, ref in zip(chunk, refs, strict=True):
                 m = np.asarray(t.loss_mask, bool)
                 m[0] = False  # token 0 has no prefix
                 k1, k3 = token_estimates(np.asarray(t.logprobs)[m], ref[m])
