@@ -51,17 +51,7 @@ def reference_logprobs(model, processor, trajs: Sequence, *, temperature: float 
         mask[r, : len(t.tokens)] = 1
         images.extend(t.images)
     pv, grid = processor.encode_images(images) if images else (None, None)
-    if vision and pv is not None:  # the plan and the pixel rows padded (`prepare` pads the plan only)
-        from codedance_jax.model import rope
-        from codedance_jax.model.generate import vision_inputs
-
-        cfg = model.cfg
-        pos, _ = rope.mrope_positions(ids, mask, grid, image_token_id=cfg.image_token_id,
-                                      spatial_merge_size=cfg.vision.spatial_merge_size)
-        p = {"input_ids": jnp.asarray(ids, jnp.int32), "positions": jnp.asarray(pos),
-             "attention_mask": jnp.asarray(mask, jnp.int32), "vis": vision_inputs(pv, grid, cfg, **vision)}
-    else:
-        p = model.prepare(ids, mask, pv, grid)
+    p = model.prepare(ids, mask, pv, grid, **(vision or {}))
     targets = jnp.asarray(np.concatenate([ids[:, 1:], ids[:, :1]], axis=1), jnp.int32)
     lp = np.asarray(_forward()(model, p["input_ids"], p["positions"], p["attention_mask"], p["vis"], targets,
                                float(temperature)))

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from codedance_jax.rollout.buckets import CompileCounter
-from codedance_jax.train.batching import Bucket
+from codedance_jax.train.batching import VISION_KEYS, Bucket, empty_batch
 from runs import grpo_stages as stages
 from runs import setup
 
@@ -53,25 +53,19 @@ def variants(ctx: stages.GRPOContext) -> list[tuple[Bucket, int | None, int | No
 
 def planned_batch(ctx: stages.GRPOContext, bucket: Bucket, pack_k: int | None, vision_rows: int | None) -> dict:
     """A zero host batch with exactly the fields, shapes and dtypes `stages.batch` gives a step of
-    this layout (checked by the GRPO loop's no-compilation test)."""
-    n, (t, nb, wb) = ctx.rows // ctx.hosts, bucket
-    v = ctx.cfg.vision
-    q, u, pd = v.merge_unit, v.window_merged**2, v.patch_dim
-    m = int(ctx.engine.cfg.max_turns)
-    out = {
-        "input_ids": np.zeros((n, t), np.int32), "attention_mask": np.zeros((n, t), np.int32),
-        "targets": np.zeros((n, t), np.int32), "loss_mask": np.zeros((n, t), np.float32),
-        "positions": np.zeros((3, n, t), np.int32),
-        "old_logprobs": np.zeros((n, t), np.float32), "turn_ids": np.full((n, t), -1, np.int32),
-        "a_seq": np.zeros((n,), np.float32), "a_turn": np.zeros((n, m), np.float32),
-    }
-    if ctx.layout is None or ctx.layout.images or vision_rows is not None:
-        r = n if vision_rows is None else vision_rows
-        out.update({"pixel_values": np.zeros((r, nb * q, pd), np.float32), "unit_src": np.full((r, wb * u), -1, np.int32),
-                    "pos_hw": np.zeros((r, wb * u * q, 2), np.int32), "image_id": np.full((r, wb * u), -1, np.int32),
-                    "out_index": np.zeros((r, nb), np.int32)})
-        if vision_rows is not None:
-            out["feat_src"] = np.zeros((n, nb), np.int32)
+    this layout (checked by the GRPO loop's no-compilation test): the contract's empty batch
+    (`batching.empty_batch`), its vision fields on `vision_rows` shared rows, and the GRPO fields."""
+    n, t = ctx.rows // ctx.hosts, bucket.tokens
+    out = empty_batch(n, bucket, pad_id=ctx.processor.pad_id, vision_cfg=ctx.cfg.vision)
+    out.pop("num_tokens")
+    if vision_rows is not None:  # `packing.share_images`' layout
+        out.update({k: np.zeros((vision_rows, *out[k].shape[1:]), out[k].dtype) for k in VISION_KEYS})
+        out["feat_src"] = np.zeros((n, bucket.image_tokens), np.int32)
+    elif ctx.layout is not None and not ctx.layout.images:
+        for k in VISION_KEYS:
+            del out[k]
+    out.update(old_logprobs=np.zeros((n, t), np.float32), turn_ids=np.full((n, t), -1, np.int32),
+               a_seq=np.zeros((n,), np.float32), a_turn=np.zeros((n, int(ctx.engine.cfg.max_turns)), np.float32))
     if pack_k is not None:
         out["pack_src"] = np.full((n, pack_k), -1, np.int32)
     return out

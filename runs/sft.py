@@ -195,9 +195,7 @@ def warm_up(config, workdir: str, run: setup.Run, processor, cfg: ModelConfig, m
     rng = setup.replicated_key(0, mesh)
 
     def compile_one(bucket):
-        local = batching.collate_packed([], per_host, batching.Bucket(*bucket), pad_id=processor.pad_id,
-                                        vision_cfg=cfg.vision)
-        del local["segment_ids"]
+        local = batching.empty_batch(per_host, batching.Bucket(*bucket), pad_id=processor.pad_id, vision_cfg=cfg.vision)
         bsh = sft.batch_shardings({k: v for k, v in local.items() if k in sft.BATCH_FIELDS}, mesh, rules)
         fn = step_builder(config, run, mesh, rules, tx, sched, bsh)()
         return setup.batch_key(local, bsh), fn.lower(run.state, global_batch(local, bsh), rng).compile()

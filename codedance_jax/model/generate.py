@@ -166,19 +166,9 @@ def grow_cache(cache: KVCache, slots: int) -> KVCache:
 
 
 def vision_inputs(pixel_values, image_grid_thw, cfg, *, num_windows: int, num_units: int) -> VisionInputs:
-    """`VisionInputs` padded to a bucket, pixel rows included (zeros past the real patches), so that
-    calls with different images but the same bucket share one compiled vision tower."""
-    from codedance_jax.model import vision
-
-    plan = vision.make_plan(image_grid_thw, cfg.vision, num_windows=num_windows, num_units=num_units)
-    pv = np.asarray(pixel_values, np.float32).reshape(-1, cfg.vision.patch_dim)
-    rows = num_units * cfg.vision.merge_unit
-    if pv.shape[0] != plan.num_units * cfg.vision.merge_unit:
-        raise ValueError(f"pixel_values has {pv.shape[0]} patch rows but image_grid_thw describes "
-                         f"{plan.num_units * cfg.vision.merge_unit}; pass the processor's outputs together")
-    pv = np.concatenate([pv, np.zeros((rows - pv.shape[0], pv.shape[1]), np.float32)])
-    arrays = (pv, plan.unit_src, plan.pos_hw, plan.image_id, plan.out_index)
-    return VisionInputs(*(jnp.asarray(a)[None] for a in arrays))
+    """`VisionInputs` padded to a bucket, pixel rows included (`VisionInputs.build`), so that calls
+    with different images but the same bucket share one compiled vision tower."""
+    return VisionInputs.build(pixel_values, image_grid_thw, cfg, num_windows=num_windows, num_units=num_units)
 
 
 def encode_vision(model: Qwen25VL, vis: VisionInputs):

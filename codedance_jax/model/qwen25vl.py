@@ -43,6 +43,9 @@ class VisionInputs:
 
     @classmethod
     def build(cls, pixel_values, image_grid_thw, cfg: ModelConfig, **bucket) -> VisionInputs:
+        """The plan of `image_grid_thw` with its pixel rows; a bucket (`num_units`, `num_windows`) pads
+        the plan and the pixel rows (zeros past the real patches), so that calls with different
+        images but one bucket share one compiled vision tower."""
         plan = vision.make_plan(image_grid_thw, cfg.vision, **bucket)
         pv = np.asarray(pixel_values, np.float32).reshape(-1, cfg.vision.patch_dim)
         need = plan.num_units * cfg.vision.merge_unit
@@ -51,6 +54,9 @@ class VisionInputs:
                 f"pixel_values has {pv.shape[0]} patch rows but image_grid_thw describes {need} "
                 "(sum of t*h*w); pass the pixel_values and image_grid_thw produced together by the processor."
             )
+        if bucket.get("num_units"):
+            pv = np.concatenate([pv, np.zeros((bucket["num_units"] * cfg.vision.merge_unit - need, pv.shape[1]),
+                                              np.float32)])
         arrays = (pv, plan.unit_src, plan.pos_hw, plan.image_id, plan.out_index)
         return cls(*(jnp.asarray(a)[None] for a in arrays))
 

@@ -165,7 +165,7 @@ class RolloutEngine:
         stats = RolloutStats()
         rows = trajectory_rows(prompts, group_size, seed_offset, self.sampling.temperature, self.cfg.policy)
         b = round_up(len(rows), self.cfg.batch_multiple)
-        if self.plan is not None and b <= self.plan.rows and len(prompts) <= self.plan.prompt_rows:
+        if self.plan_holds(len(prompts), group_size):
             b = self.plan.rows  # the warmed-up shapes (padding rows sit out)
         grow = self.cfg.cache_grow
         slots = min(grow, self.cfg.cache_slots) if grow > 0 else self.cfg.cache_slots

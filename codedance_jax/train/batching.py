@@ -112,6 +112,14 @@ def collate(
     return batch
 
 
+def empty_batch(rows: int, bucket: Bucket, *, pad_id: int, vision_cfg: VisionConfig) -> dict[str, np.ndarray]:
+    """`collate` of `rows` empty rows: the contract's fields, shapes and dtypes at this bucket (the
+    shape plans compile their steps on it before step 1)."""
+    batch = _collate_rows([[]] * rows, rows, bucket, pad_id=pad_id, vision_cfg=vision_cfg)
+    del batch["segment_ids"]
+    return batch
+
+
 def collate_packed(
     rows: Sequence[Sequence[Example]], num_rows: int, bucket: Bucket, *, pad_id: int, vision_cfg: VisionConfig
 ) -> dict[str, np.ndarray]:
