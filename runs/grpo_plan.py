@@ -90,28 +90,35 @@ def warm_up(ctx: stages.GRPOContext, run: setup.Run, eval_engine=None, eval_prom
     """Compile the plan (see the module docstring). Returns {"programs": [...], "compilations",
     "seconds", "rollout_s", "update_s"}."""
     t0, c0 = time.perf_counter(), CompileCounter.total()
-    rows = []
-    todo = []
-    for bucket, k, r in variants(ctx):
-        local = planned_batch(ctx, bucket, k, r)
-        arrays, shardings = stages.place_batch(ctx, local)
-        b = stages.GRPOBatch(local, arrays, shardings, setup.batch_key(local), 0.0)
-        b = stages.old_logprobs(ctx, run, b)  # compiles (and runs) the reference's log-probs, KL on
-        todo.append(b)
-        rows.append({"program": "update", "tokens": bucket.tokens, "rows": ctx.rows, "packed_width": k,
-                     "vision_rows": r if r is not None else ctx.rows})
-        if ctx.ref_params is not None:
-            rows.append({**rows[-1], "program": "reference log-probs"})
+    rows, todo = [], []
     rng = setup.replicated_key(0, ctx.mesh)
-    warm_rewards(ctx)
-    rows.append({"program": "R_BAT advantages and rewards", "rows": ctx.n_local * ctx.hosts})
 
-    def compile_update(b):
-        fn = stages.build_update(ctx, run, b.shardings)
-        return stages.update_key(ctx, b.key), fn.lower(run.state, b.arrays, rng).compile()
+    def compile_update(arrays, shardings, key):
+        if ctx.ref_params is not None:  # the reference's log-probs enter as the old ones do: abstract here
+            arrays = {**arrays, "ref_logprobs": jax.ShapeDtypeStruct(arrays["old_logprobs"].shape, np.float32,
+                                                                     sharding=shardings["old_logprobs"])}
+            shardings = {**shardings, "ref_logprobs": shardings["old_logprobs"]}
+        fn = stages.build_update(ctx, run, shardings)
+        return stages.update_key(ctx, key), fn.lower(run.state, arrays, rng).compile()
 
+    # The update compiles (the plan's largest programs) start first, in two threads; the reference
+    # log-probs, the R_BAT kernels and the rollout warm up meanwhile on this thread.
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        futures = [pool.submit(compile_update, b) for b in todo]
+        futures = []
+        for bucket, k, r in variants(ctx):
+            local = planned_batch(ctx, bucket, k, r)
+            arrays, shardings = stages.place_batch(ctx, local)
+            b = stages.GRPOBatch(local, arrays, shardings, setup.batch_key(local), 0.0)
+            futures.append(pool.submit(compile_update, b.arrays, b.shardings, b.key))
+            todo.append(b)
+            rows.append({"program": "update", "tokens": bucket.tokens, "rows": ctx.rows, "packed_width": k,
+                         "vision_rows": r if r is not None else ctx.rows})
+            if ctx.ref_params is not None:
+                rows.append({**rows[-1], "program": "reference log-probs"})
+        for b in todo:
+            stages.old_logprobs(ctx, run, b)  # compiles (and runs) the reference's log-probs, KL on
+        warm_rewards(ctx)
+        rows.append({"program": "R_BAT advantages and rewards", "rows": ctx.n_local * ctx.hosts})
         tr = time.perf_counter()
         n_prompts = ctx.n_local // ctx.group_size
         rw = ctx.engine.warm_up(n_prompts, ctx.group_size)

@@ -76,8 +76,11 @@ def evaluate_policy(c, workdir: str, policy: str, out_dir: str, pool, *, sampled
     """Rollouts of the held-out split, greedy (one per item) or sampled (`eval.samples` per item at
     `eval.temperature`); writes trajectories.jsonl (+ `text`, `meta`) and summary.json (the rates'
     95% intervals included)."""
+    from flax import nnx
+
     import codedance_jax
     from codedance_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig, save_jsonl
+    from codedance_jax.rollout.placement import sampling_mesh, sampling_params
     from data.rl_prompts import read_prompts_jsonl
     from eval.rollouts import evaluate
 
@@ -90,13 +93,18 @@ def evaluate_policy(c, workdir: str, policy: str, out_dir: str, pool, *, sampled
     if e.limit:
         prompts = prompts[: e.limit]
     model, processor = codedance_jax.from_pretrained(policy)
+    # On the host's sampling mesh, placed as the GRPO run places its policy: the evaluations and the
+    # GRPO rollouts then share their compiled programs (the GRPO warm-up finds them compiled).
+    mesh = sampling_mesh(int(c.grpo.rollout.get("mesh_data", -1)))
+    graphdef, state = nnx.split(model)
+    model = nnx.merge(graphdef, sampling_params(state, mesh))
     rcfg = RolloutConfig.eval(**e.rollout, policy=policy)
     if sampled:
         sampling = SamplingConfig(temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, seed=e.seed)
         samples, batch = int(e.samples), max(1, int(e.batch_size) // int(e.samples))  # rows per batch as greedy
     else:
         sampling, samples, batch = SamplingConfig(greedy=True, seed=e.seed), 1, e.batch_size
-    engine = RolloutEngine(model, processor, rcfg, sampling)
+    engine = RolloutEngine(model, processor, rcfg, sampling, mesh=mesh)
     t0 = time.perf_counter()
     res = evaluate(engine, prompts, pool, batch=batch, keys=tuple(e.metric_keys), samples=samples, intervals=True,
                    warm_up=True)
