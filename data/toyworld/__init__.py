@@ -7,7 +7,7 @@ held-out prompts.
 
 Three task families (`tasks.py`), each easy or hard:
 
-- **count**: easy = 1-3 big shapes, one per quadrant ("How many shapes are in the image?");
+- **count**: easy = 1-3 big shapes, each filling most of its quadrant ("How many shapes are in the image?");
   hard = 6-14 small shapes of 4 colours and 3 kinds ("How many red circles are in the image?").
 - **bars**: easy = a red and a blue bar of very different heights ("Which bar is taller, ...?");
   hard = 5-7 bars whose tallest is 1-3 px above the next ("Which colour is the tallest bar?" or

@@ -10,7 +10,7 @@ bounding boxes), which the tests compare.
 
 | family | easy (112 px) | hard (168 px) |
 |---|---|---|
-| count | 1-3 big one-colour shapes, one per quadrant: "How many shapes are in the image?" | 6-14 small shapes of 4 colours x 3 kinds: "How many red circles are in the image?" (0-6) |
+| count | 1-3 big one-colour shapes, one filling most of each occupied quadrant: "How many shapes are in the image?" | 6-14 small shapes of 4 colours x 3 kinds: "How many red circles are in the image?" (0-6) |
 | bars | a red and a blue bar, heights far apart: "Which bar is taller, the red one or the blue one?" | 5-7 bars of distinct colours, the tallest 1-3 px above the next: its colour, or its height in pixels |
 | find | a large shape in a black box filling the image: "What colour is the shape inside the marked box?" | a 14-18 px box with a 6-10 px shape among grey clutter and differently coloured decoys: same question |
 
@@ -108,9 +108,12 @@ def _count_easy(rng):
     shapes = []
     half = EASY_SIZE // 2
     for q in quads:
-        s = _ri(rng, 28, 40)
-        x = (q % 2) * half + _ri(rng, 4, half - 4 - s)
-        y = (q // 2) * half + _ri(rng, 4, half - 4 - s)
+        # Each shape fills most of its quadrant, so it covers all four merged image tokens (28 px) of
+        # that quadrant and the count by eye is the number of occupied quadrants. Shapes of 28-40 px at
+        # random offsets covered 1-4 tokens, and the SFT policy counted them 57-78% right (issue 35).
+        s = _ri(rng, 44, 50)
+        x = (q % 2) * half + _ri(rng, 3, half - 3 - s)
+        y = (q // 2) * half + _ri(rng, 3, half - 3 - s)
         kind = KINDS[_ri(rng, 0, 2)]
         draw_shape(d, kind, x, y, s, PALETTE[color])
         shapes.append({"kind": kind, "color": color, "x": x, "y": y, "size": s})
