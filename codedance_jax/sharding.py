@@ -326,6 +326,18 @@ def row_sharding(mesh: jax.sharding.Mesh, shape, batch_dim: int = 0, axis: str =
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 
+def kv_sharding(mesh: jax.sharding.Mesh, shape) -> NamedSharding:
+    """A KV cache's keys or values [B, K, S, H]: rows over `data` (as `row_sharding`), KV heads over
+    `tensor` (as the `kv_heads` of the key/value kernels), each only where the axis divides the
+    dimension; the rest replicated. The head split keeps each device's cache beside the heads its
+    share of the attention weights computes (inference on a sampling mesh, `rollout.placement`)."""
+    spec = list(row_sharding(mesh, shape).spec)  # one entry per dimension
+    t = mesh.shape.get("tensor", 1)
+    if t > 1 and len(shape) > 1 and shape[1] % t == 0:
+        spec[1] = "tensor"
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
 def place_rows(x, mesh: jax.sharding.Mesh, batch_dim: int = 0, axis: str = "data"):
     """`x` (host or device array) on `mesh` with its rows split over `axis` (see `row_sharding`)."""
     return jax.device_put(x, row_sharding(mesh, np.shape(x), batch_dim, axis))

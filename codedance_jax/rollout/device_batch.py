@@ -13,8 +13,9 @@ slots and compacting. What lives here:
   two), either a gathered subset (`row_subset`, the engine) or the leading rows [0, k)
   (`head_rows` / `put_head_rows`, the batcher, whose busy rows stay packed at the front);
 * `RowPlacement`: with a mesh whose `data` axis has several devices, every array with a row
-  dimension is split over `data` (`sharding.row_sharding`), the cache created already split; without
-  one arrays are left where jit puts them.
+  dimension is split over `data` (`sharding.row_sharding`), and with a `tensor` axis the KV cache's
+  keys and values are split by KV heads over it too (`sharding.kv_sharding`), the cache created
+  already so; without such a mesh arrays are left where jit puts them.
 
 Rows are independent in every cache step, so which rows share a call never changes a row's result.
 """
@@ -93,36 +94,43 @@ class RowPlacement:
     holds one compiled cache creation per cache shape, as the other jitted steps are compiled once."""
 
     def __init__(self, mesh: jax.sharding.Mesh | None = None):
-        self.mesh = mesh if mesh is not None and mesh.shape.get("data", 1) > 1 else None
+        split = mesh is not None and (mesh.shape.get("data", 1) > 1 or mesh.shape.get("tensor", 1) > 1)
+        self.mesh = mesh if split else None
         self._makers: dict = {}
 
     def rows(self, x, batch_dim: int = 0):
         """x with its rows (dimension `batch_dim`) on the mesh's data axis; unchanged without a mesh."""
         return x if self.mesh is None else sharding.place_rows(x, self.mesh, batch_dim)
 
+    def layout(self, tree):
+        """The sharding of each array of `tree` (arrays or their shapes): rows over `data`
+        (`sharding.row_sharding`); a `KVCache`'s keys and values also split by KV heads over `tensor`
+        (`sharding.kv_sharding`), beside the heads their device's share of the weights computes."""
+        row = lambda a: sharding.row_sharding(self.mesh, a.shape)  # noqa: E731
+        if isinstance(tree, KVCache):
+            kv = lambda a: sharding.kv_sharding(self.mesh, a.shape)  # noqa: E731
+            return tree.replace(k=tuple(map(kv, tree.k)), v=tuple(map(kv, tree.v)), valid=row(tree.valid),
+                                index=row(tree.index), next_pos=row(tree.next_pos))
+        return jax.tree.map(row, tree)
+
     def settle(self, tree):
-        """`tree`'s arrays in their row sharding (`rows`), moved only where a device call's output
-        came out laid out otherwise. With a mesh, each call's inputs then have one sharding whatever
-        call produced them, so a consumer compiles once per shape (the shape plan's warm-up covers
-        it), not once per producer. Unchanged without a mesh."""
+        """`tree`'s arrays in their `layout`, moved only where a device call's output came out laid
+        out otherwise. With a mesh, each call's inputs then have one sharding whatever call produced
+        them, so a consumer compiles once per shape (the shape plan's warm-up covers it), not once
+        per producer. Unchanged without a mesh."""
         if self.mesh is None:
             return tree
-
-        def one(a):
-            want = sharding.row_sharding(self.mesh, a.shape)
-            return a if a.sharding == want else jax.device_put(a, want)
-
-        return jax.tree.map(one, tree)
+        return jax.tree.map(lambda a, want: a if a.sharding == want else jax.device_put(a, want), tree,
+                            self.layout(tree))
 
     def init_cache(self, model, b: int, slots: int, dtype=None):
-        """A fresh cache of b rows, created already split over the data axis (never whole on one device)."""
+        """A fresh cache of b rows, created already in its `layout` (never whole on one device)."""
         if self.mesh is None:
             return model.init_cache(b, slots, dtype)
         key = (b, slots, None if dtype is None else jnp.dtype(dtype).name)
         if key not in self._makers:
             make = lambda: model.init_cache(b, slots, dtype)  # noqa: E731 - reads only the model's config
-            shard = jax.tree.map(lambda a: sharding.row_sharding(self.mesh, a.shape), jax.eval_shape(make))
-            self._makers[key] = jax.jit(make, out_shardings=shard)
+            self._makers[key] = jax.jit(make, out_shardings=self.layout(jax.eval_shape(make)))
         return self._makers[key]()
 
 

@@ -38,9 +38,11 @@ Placement: `RolloutEngine(..., mesh=)` with a mesh whose `data` axis spans sever
 every array with a row dimension (cache, logits, chunk inputs) over `data`
 (`device_batch.RowPlacement`); rows are independent, so the trajectories are those of the unsplit
 batch. `rollout.batch_multiple` must then be a multiple of the data size (every row bucket is).
-The GRPO loop's engine runs on a host's sampling mesh with the policy replicated over it
-(`placement.py`). Each call records its placement in its stats: `sampling_devices` (the devices
-its cache and parameters lived on) and `sampling_mesh` (the mesh's {axis: size}).
+With a `tensor` axis the KV cache is split by KV heads over it as well, beside the policy's
+weights that `placement.sampling_params` split over it; GSPMD partitions the jitted steps. The
+GRPO loop's engine runs on a host's sampling mesh (`placement.py`). Each call records its
+placement in its stats: `sampling_devices` (the devices its cache and parameters lived on) and
+`sampling_mesh` (the mesh's {axis: size}).
 
 The last allowed turn's code is still executed (its status is part of the R_BAT signal) but
 nothing is appended after it (`finish_reason="max_turns"`).
@@ -99,8 +101,9 @@ class RolloutEngine:
         self.model, self.processor = model, processor
         self.cfg = cfg or RolloutConfig()
         # With a mesh whose `data` axis has several devices, every array with a row dimension (the KV
-        # cache, logits, chunk inputs) is placed with its rows split over `data`; without one (or with
-        # data = 1) arrays are left where jit puts them, as before.
+        # cache, logits, chunk inputs) is placed with its rows split over `data`, and with a `tensor`
+        # axis the cache's KV heads over it; without one (or with data = tensor = 1) arrays are left
+        # where jit puts them, as before.
         self.placement = RowPlacement(mesh)
         self.mesh = self.placement.mesh
         self.given_mesh = mesh  # recorded in the stats (`sampling_mesh`), data = 1 included

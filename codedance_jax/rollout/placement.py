@@ -1,44 +1,73 @@
 """The sampling layout: the mesh one host's rollouts run on, and the policy's parameters placed for it.
 
     mesh = sampling_mesh(-1)                      # every local device on `data`
+    mesh = sampling_mesh(-1, tensor=2)            # or: pairs of devices share the weights
     model = mdef.model(sampling_params(params, mesh))
     engine = RolloutEngine(model, processor, cfg, sampling, mesh=mesh)
 
-`sampling_mesh(data)` is a (data, 1, 1) mesh over this process's own devices (`jax.local_devices()`,
-never the global mesh): the engine splits every array with a row dimension over `data`
-(`RolloutEngine(mesh=)`), so each device decodes its share of the rows with the whole policy.
-`sampling_params(params, mesh)` places the trainer's parameters (any `NamedSharding` over the
-trainer's mesh, fsdp/tensor-sharded or not) replicated over that mesh, on device only: one jitted
-identity all-gathers the leaves that are sharded (collectives over the trainer's mesh), and the
-copies that then sit on the sampling mesh's devices become the sampling arrays without a copy. A
-leaf already placed so is passed through. The host never sees a parameter: host<->device transfers
-are disallowed (`jax.transfer_guard_*("disallow_explicit")`) for the whole placement.
+`sampling_mesh(data, tensor)` is a (data, 1, tensor) mesh over this process's own devices
+(`jax.local_devices()`, never the global mesh): the engine splits every array with a row dimension
+over `data` (`RolloutEngine(mesh=)`), so each data slice decodes its share of the rows, and with
+`tensor` > 1 each slice's devices hold the policy split by attention heads, MLP columns and
+vocabulary (for a policy larger than one chip) and its KV cache split by KV heads.
 
-Not yet (issue 37): weights split over a `tensor` axis for a policy larger than one chip, and with
-several processes each host still all-gathers whole copies over the global mesh (its chips then
-hold the full policy, not only the shards they need).
+`sampling_params(params, mesh)` places the trainer's parameters (any `NamedSharding` over the
+trainer's mesh, fsdp/tensor-sharded or not) for that mesh, on device only. The host never sees a
+parameter: host<->device transfers are disallowed (`jax.transfer_guard_*("disallow_explicit")`)
+for the whole placement.
+* tensor = 1: replicated. One jitted identity all-gathers the leaves that are sharded (collectives
+  over the trainer's mesh), and the copies that then sit on the sampling mesh's devices become the
+  sampling arrays without a copy. A leaf already placed so is passed through; every leaf comes back
+  with the one sharding `NamedSharding(mesh, P())`, so engines built from a trainer's state and
+  from a checkpoint on the same mesh run the same compiled programs (the demo's evaluations and
+  its GRPO rollouts).
+* tensor > 1: each `nnx.Variable` split as the model's logical axes ask through the trainer's
+  rules table, restricted to the sampling mesh: only `tensor` targets count (no fsdp, no data
+  sharding of weights), a dimension that `tensor` does not divide stays whole (`sharding.fit_spec`,
+  e.g. 2 KV heads on 4 devices); leaves without logical axes are replicated. One jitted identity
+  with those out_shardings moves the leaves from the trainer's mesh when the sampling devices are
+  the trainer's devices in its order, or a subset that keeps each device's tensor index (a mesh
+  over the trainer's devices then takes the output, and the sampling devices' shards are adopted);
+  otherwise (another device order, several processes) the leaves are first made whole as for
+  tensor = 1 and each device keeps its part. Every leaf comes back with exactly its target sharding.
+
+Not yet (issue 37): with several processes each host still all-gathers whole copies over the
+global mesh (its chips then hold the full policy for a moment, not only the shards they need).
+Within one process, XLA's partitioner moves a leaf split over fsdp to a split over tensor by
+gathering it whole and slicing it (it logs "Involuntary full rematerialization" when it compiles
+the placement), so a chip briefly holds whole leaves, not only its shards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
+import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from codedance_jax import sharding
 from codedance_jax.errors import ConfigError
 
 
-def sampling_mesh(data: int = -1, devices=None) -> jax.sharding.Mesh:
-    """A (data, 1, 1) mesh over the first `data` of this process's devices (-1: all of them).
-    `devices`: the devices to draw from (default `jax.local_devices()`)."""
+def sampling_mesh(data: int = -1, tensor: int = 1, devices=None) -> jax.sharding.Mesh:
+    """A (data, 1, tensor) mesh over the first data x tensor of this process's devices; data = -1: all
+    of them that `tensor` leaves (their count must then divide by `tensor`). Tensor groups are
+    neighbouring devices. `devices`: the devices to draw from (default `jax.local_devices()`)."""
     local = list(jax.local_devices() if devices is None else devices)
-    n = len(local) if int(data) == -1 else int(data)
-    if not 1 <= n <= len(local):
-        raise ConfigError(f"config.rollout.mesh_data={data}: this process has {len(local)} devices",
-                          f"set it to -1 (all of them) or a count from 1 to {len(local)}")
-    return sharding.make_mesh(n, 1, 1, devices=local[:n])
+    data, tensor = int(data), int(tensor)
+    if tensor < 1 or tensor > len(local) or (data == -1 and len(local) % tensor):
+        raise ConfigError(f"config.rollout.mesh_tensor={tensor}: this process has {len(local)} devices, which do "
+                          f"not split into groups of {tensor}",
+                          f"set it to a divisor of {len(local)} (1: the policy whole on every device)")
+    n = len(local) // tensor if data == -1 else data
+    if not 1 <= n * tensor <= len(local):
+        raise ConfigError(f"config.rollout.mesh_data={data}: this process has {len(local)} devices"
+                          + (f" ({len(local) // tensor} groups of mesh_tensor={tensor})" if tensor > 1 else ""),
+                          f"set it to -1 (all of them) or a count from 1 to {len(local) // tensor}")
+    return sharding.make_mesh(n, 1, tensor, devices=local[: n * tensor])
 
 
 def mesh_summary(mesh: jax.sharding.Mesh | None) -> dict[str, int] | None:
@@ -56,34 +85,117 @@ def _gather(out_shardings: tuple) -> jax.stages.Wrapped:
     return jax.jit(_identity, out_shardings=out_shardings)
 
 
-def sampling_params(params, mesh: jax.sharding.Mesh):
-    """`params` (a pytree of arrays) replicated over `mesh`, device to device (see the module
-    docstring). Leaves already replicated on exactly `mesh`'s devices are returned as they are."""
+def sampling_params(params, mesh: jax.sharding.Mesh, rules=None):
+    """`params` (a pytree of arrays, or an `nnx.State`) laid out for `mesh`, device to device (see the
+    module docstring): replicated when the mesh's `tensor` axis is 1; else each `nnx.Variable` split
+    over `tensor` as its logical axes ask (`rules`: the trainer's table, default
+    `sharding.DEFAULT_RULES`; only its `tensor` targets count) and every other leaf replicated.
+    Leaves already laid out so are returned as they are."""
+    if mesh.shape.get("tensor", 1) == 1:
+        leaves, treedef = jax.tree.flatten(params)
+        with _no_host_transfers():
+            return jax.tree.unflatten(treedef, _replicated(leaves, mesh))
+    targets = [NamedSharding(mesh, _tensor_spec(v, mesh, rules))
+               for v in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))]
+    leaves, treedef = jax.tree.flatten(params)
+    if len(targets) != len(leaves):
+        raise TypeError("sampling_params: each nnx.Variable must hold one array")
+    out = list(leaves)
+    with _no_host_transfers():
+        direct: dict = {}  # cover mesh -> leaves that one program lays out from the trainer's mesh
+        rest = []
+        for i, x in enumerate(leaves):
+            if x.sharding == targets[i]:
+                continue
+            if x.sharding.is_equivalent_to(targets[i], x.ndim):  # the right shards on another mesh
+                out[i] = _adopt(x, targets[i])
+                continue
+            cover = _cover(x.sharding, mesh)
+            (rest if cover is None else direct.setdefault(cover, [])).append(i)
+        for cover, idx in direct.items():
+            got = _gather(tuple(NamedSharding(cover, targets[i].spec) for i in idx))(tuple(leaves[i] for i in idx))
+            for i, x in zip(idx, got, strict=True):
+                out[i] = x if cover is mesh else _adopt(x, targets[i])
+        if rest:  # whole on every sampling device first, then each device keeps its part (no transfer)
+            whole = _replicated([leaves[i] for i in rest], mesh)
+            for i, x in zip(rest, _gather(tuple(targets[i] for i in rest))(tuple(whole)), strict=True):
+                out[i] = x
+    return jax.tree.unflatten(treedef, out)
+
+
+@contextlib.contextmanager
+def _no_host_transfers():
+    """Host<->device copies fail inside: a placement that would go through the host is a bug."""
+    with jax.transfer_guard_host_to_device("disallow_explicit"), jax.transfer_guard_device_to_host("disallow_explicit"):
+        yield
+
+
+def _replicated(leaves: list, mesh: jax.sharding.Mesh) -> list:
+    """`leaves` replicated over `mesh`: sharded ones all-gathered over their own (the trainer's) mesh
+    by one jitted identity, then the copies that sit on `mesh`'s devices adopted without a copy."""
     target = NamedSharding(mesh, PartitionSpec())
     want = list(mesh.devices.flat)
-    leaves, treedef = jax.tree.flatten(params)
-    with jax.transfer_guard_host_to_device("disallow_explicit"), jax.transfer_guard_device_to_host("disallow_explicit"):
-        todo = [i for i, x in enumerate(leaves)
-                if not x.sharding.is_equivalent_to(target, x.ndim) and not x.is_fully_replicated]
-        if todo:
-            if not all(isinstance(leaves[i].sharding, NamedSharding) for i in todo):
-                raise TypeError("sampling_params: a sharded parameter without a NamedSharding; place the parameters "
-                                "on a mesh (`sharding.param_shardings`)")
-            outs = tuple(NamedSharding(leaves[i].sharding.mesh, PartitionSpec()) for i in todo)
-            got = _gather(outs)(tuple(leaves[i] for i in todo))
-            for i, x in zip(todo, got, strict=True):
-                leaves[i] = x
-        out = []
-        for x in leaves:  # now each leaf is whole on every device it lives on
-            if x.sharding.is_equivalent_to(target, x.ndim):
-                out.append(x)
-                continue
-            local = {s.device: s.data for s in x.addressable_shards}
-            if all(d in local for d in want):  # the copies are there already: adopt them
-                out.append(jax.make_array_from_single_device_arrays(x.shape, target, [local[d] for d in want]))
-            else:  # e.g. one device's weights onto several: copied device to device
-                out.append(jax.device_put(x, target))
-    return jax.tree.unflatten(treedef, out)
+    leaves = list(leaves)
+    todo = [i for i, x in enumerate(leaves)
+            if not x.sharding.is_equivalent_to(target, x.ndim) and not x.is_fully_replicated]
+    if todo:
+        if not all(isinstance(leaves[i].sharding, NamedSharding) for i in todo):
+            raise TypeError("sampling_params: a sharded parameter without a NamedSharding; place the parameters "
+                            "on a mesh (`sharding.param_shardings`)")
+        outs = tuple(NamedSharding(leaves[i].sharding.mesh, PartitionSpec()) for i in todo)
+        got = _gather(outs)(tuple(leaves[i] for i in todo))
+        for i, x in zip(todo, got, strict=True):
+            leaves[i] = x
+    out = []
+    for x in leaves:  # now each leaf is whole on every device it lives on
+        if x.sharding == target:
+            out.append(x)
+            continue
+        local = {s.device: s.data for s in x.addressable_shards}
+        if all(d in local for d in want):  # the copies are there already (maybe as `target`): adopt them
+            out.append(jax.make_array_from_single_device_arrays(x.shape, target, [local[d] for d in want]))
+        else:  # e.g. one device's weights onto several: copied device to device
+            out.append(jax.device_put(x, target))
+    return out
+
+
+def _tensor_spec(leaf, mesh: jax.sharding.Mesh, rules) -> PartitionSpec:
+    """A parameter's PartitionSpec on a sampling mesh: its logical axes through `rules` with every
+    target but `tensor` removed (no fsdp, and no data sharding of weights: each data slice runs the
+    whole policy), dimensions that `tensor` does not divide replicated (`sharding.fit_spec`). A leaf
+    without logical axes (not an `nnx.Variable`) is replicated."""
+    axes = leaf.get_metadata().get("out_sharding") if isinstance(leaf, nnx.Variable) else None
+    if not axes:
+        return PartitionSpec()
+    table = []
+    for name, target in sharding.DEFAULT_RULES if rules is None else rules:
+        targets = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+        table.append((name, "tensor" if "tensor" in targets else None))
+    return sharding.fit_spec(sharding.logical_to_spec(axes, table, mesh), leaf.shape, mesh)
+
+
+def _cover(src, mesh: jax.sharding.Mesh) -> jax.sharding.Mesh | None:
+    """A mesh over the devices of `src`'s mesh in their order (what a jitted identity from `src` may
+    lay its output out on) where each of `mesh`'s devices has its tensor index in `mesh`: `mesh`
+    itself when the devices are the same; else (n / tensor, 1, tensor). None where there is none,
+    and with several processes (each would choose for its own devices, and the program must be the
+    same on all of them)."""
+    if not isinstance(src, NamedSharding) or jax.process_count() > 1:
+        return None
+    have, want = tuple(src.mesh.devices.flat), tuple(mesh.devices.flat)
+    if have == want:
+        return mesh
+    t = mesh.shape["tensor"]
+    at = {d: q for q, d in enumerate(have)}
+    if len(have) % t or any(d not in at or at[d] % t != p % t for p, d in enumerate(want)):
+        return None
+    return jax.sharding.Mesh(np.asarray(have).reshape(-1, 1, t), mesh.axis_names)
+
+
+def _adopt(x, target: NamedSharding):
+    """`x` (laid out on a cover mesh) as an array on `target`'s devices: their shards, not copied."""
+    local = {s.device: s.data for s in x.addressable_shards}
+    return jax.make_array_from_single_device_arrays(x.shape, target, [local[d] for d in target.mesh.devices.flat])
 
 
 def placement_record(mesh: jax.sharding.Mesh | None, arrays) -> dict:
