@@ -106,12 +106,15 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     #   (jax.local_devices(); -1 = all of them), the policy replicated over them and placed there device to device
     #   each step (codedance_jax/rollout/placement.py). batch_multiple must be a multiple of it: 8 covers hosts of
     #   1, 2, 4 or 8 devices. The placement is recorded per step in WORKDIR/rollout_stats.jsonl.
+    # mesh_tensor: the policy's weights split over groups of this many of those devices (attention heads, MLP
+    #   columns and vocabulary; the KV cache by KV heads), for a policy larger than one chip; mesh_data = -1 then
+    #   means the local devices / mesh_tensor, which it must divide. 1: every device holds the whole policy.
     c.rollout = ml_collections.ConfigDict(dict(
         turn_format="code", max_turns=6, max_turn_tokens=1024, max_new_tokens=4096, max_total_tokens=8192,
         decode_chunk=32, batch_multiple=8, prompt_buckets=(1024, 2048, 4096), obs_buckets=(256, 1024),
         obs_max_pixels=1024 * 28 * 28, temperature=1.0, top_p=1.0, top_k=0, append_min_frac=0.5,
         cache_grow=0,  # > 0: the KV cache starts this small and grows by it (`RolloutConfig.cache_grow`)
-        mesh_data=-1,
+        mesh_data=-1, mesh_tensor=1,
     ))
     c.sandbox = ml_collections.ConfigDict(dict(num_workers=16, timeout_s=15.0, memory_mb=2048))
     # GRPO batches are padded to the first (tokens, image tokens, windows) bucket that fits.

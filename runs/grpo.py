@@ -21,9 +21,10 @@ the initial policy sometimes answers correctly (`filter_prompts`).
 Setup (model, initial weights, state, checkpointer, metric writer, jit caches) is `runs.setup`'s,
 shared with SFT. Each process rolls out its share of the prompts on its sampling mesh
 (`config.rollout.mesh_data` of its own devices, all by default: rows split over `data`, the policy
-replicated over it, placed device to device each step), the R_BAT statistics are taken over all
-hosts' trajectories, and the update runs on the global mesh. Each step's rollout stats, with the
-placement (`sampling_devices`, `sampling_mesh`), go to WORKDIR/rollout_stats.jsonl (process h > 0:
+replicated over it or split over groups of `config.rollout.mesh_tensor` devices, placed device to
+device each step), the R_BAT statistics are taken over all hosts' trajectories, and the update
+runs on the global mesh. Each step's rollout stats, with the placement (`sampling_devices`,
+`sampling_mesh`: {data, fsdp, tensor}), go to WORKDIR/rollout_stats.jsonl (process h > 0:
 rollout_stats.host<h>.jsonl).
 """
 
@@ -119,14 +120,16 @@ def rollout_config(config, *, evaluation: bool = False) -> RolloutConfig:
 
 
 def rollout_mesh(config) -> jax.sharding.Mesh:
-    """The host's sampling mesh: `config.rollout.mesh_data` of this process's own devices (-1: all)
-    on `data`, checked against `rollout.batch_multiple` (the engine splits every row bucket over it)."""
-    sm = sampling_mesh(int(config.rollout.get("mesh_data", -1)))
-    n, multiple = sm.shape["data"], int(config.rollout.batch_multiple)
+    """The host's sampling mesh: `config.rollout.mesh_data` x `mesh_tensor` of this process's own
+    devices (mesh_data -1: all that mesh_tensor leaves) as (data, 1, tensor), checked against
+    `rollout.batch_multiple` (the engine splits every row bucket over `data`)."""
+    r = config.rollout
+    sm = sampling_mesh(int(r.get("mesh_data", -1)), int(r.get("mesh_tensor", 1)))
+    n, multiple = sm.shape["data"], int(r.batch_multiple)
     if multiple % n:
         raise ConfigError(f"config.rollout.batch_multiple={multiple} is not a multiple of the sampling mesh's "
-                          f"{n} devices (config.rollout.mesh_data={config.rollout.get('mesh_data', -1)}): the "
-                          "rollout rows could not be split over them",
+                          f"{n} data slices (config.rollout.mesh_data={r.get('mesh_data', -1)}, "
+                          f"mesh_tensor={r.get('mesh_tensor', 1)}): the rollout rows could not be split over them",
                           f"set config.rollout.batch_multiple to a multiple of {n}, or config.rollout.mesh_data "
                           f"to a divisor of {multiple}")
     return sm
@@ -212,7 +215,7 @@ def open_context(config, workdir: str, run_setup) -> tuple[GRPOContext, setup.Ru
     exporter = run_setup.enter_context(BackgroundExport())  # closed (joined) before the run's files
     pool = run_setup.enter_context(PoolThread(num_workers=config.sandbox.num_workers,
                                               timeout_s=config.sandbox.timeout_s, memory_mb=config.sandbox.memory_mb))
-    model = rollout_model(run.mdef, run.state.params, sampler_mesh)
+    model = rollout_model(run.mdef, run.state.params, sampler_mesh, rules)
     engine = RolloutEngine(model, processor, dataclasses.replace(rollout_config(config), policy=policy_path(workdir)),
                            SamplingConfig(temperature=config.rollout.temperature, top_p=config.rollout.top_p,
                                           top_k=config.rollout.top_k, seed=config.seed), mesh=sampler_mesh)
@@ -309,7 +312,7 @@ def run_evaluation(ctx: GRPOContext, run: setup.Run, engine: RolloutEngine, prom
     if not prompts:
         return None
     t0, c0 = time.perf_counter(), CompileCounter.total()
-    engine.set_model(rollout_model(run.mdef, run.state.params, ctx.sampling_mesh))
+    engine.set_model(rollout_model(run.mdef, run.state.params, ctx.sampling_mesh, ctx.rules))
     res = evaluate(engine, prompts, ctx.pool, batch=int(ctx.config.eval.batch), keys=tuple(ctx.config.metric_keys))
     summary = {f"eval/{k}": v for k, v in res.summary.items()}
     summary["eval/time_s"] = time.perf_counter() - t0

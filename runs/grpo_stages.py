@@ -12,8 +12,8 @@
 
 `GRPOContext` holds what every step reads (configs, mesh, engine, prompt source, caches). Each host
 rolls out its share of the prompts on its sampling mesh (its own devices, rows split over `data`,
-the parameters replicated over it: `rollout_model`); R_BAT statistics are taken over all hosts'
-trajectories (allgather) and the update runs on the global mesh.
+the parameters replicated over it or split over `tensor`: `rollout_model`); R_BAT statistics are
+taken over all hosts' trajectories (allgather) and the update runs on the global mesh.
 """
 
 from __future__ import annotations
@@ -161,14 +161,15 @@ def host_slice(global_arr: np.ndarray, n_local: int) -> np.ndarray:
     return global_arr[i * n_local : (i + 1) * n_local]
 
 
-def rollout_model(mdef, params, sampling_mesh=None):
+def rollout_model(mdef, params, sampling_mesh=None, rules=None):
     """The policy as a module for the rollout engine: the trainer's parameters placed for the host's
-    sampling mesh (`rollout.placement.sampling_params`: replicated over this host's devices, moved
-    device to device; with several processes all-gathered over the global mesh first). Without a
-    sampling mesh, the trainer's arrays themselves."""
+    sampling mesh (`rollout.placement.sampling_params`: replicated over this host's devices, or split
+    over its `tensor` axis as the run's sharding `rules` ask, moved device to device; with several
+    processes gathered over the global mesh first). Without a sampling mesh, the trainer's arrays
+    themselves."""
     if sampling_mesh is None:
         return mdef.model(params)
-    return mdef.model(sampling_params(params, sampling_mesh))
+    return mdef.model(sampling_params(params, sampling_mesh, rules))
 
 
 # ----------------------------------------------------------------------------------- stages
@@ -183,7 +184,7 @@ def step_prompts(ctx: GRPOContext, step: int) -> StepPrompts:
 
 def rollout(ctx: GRPOContext, run: setup.Run, sp: StepPrompts, step: int) -> Rollouts:
     """group_size samples of each prompt with the current policy; sampling keys follow from the step."""
-    policy_model = rollout_model(run.mdef, run.state.params, ctx.sampling_mesh)
+    policy_model = rollout_model(run.mdef, run.state.params, ctx.sampling_mesh, ctx.rules)
     ctx.engine.set_model(policy_model)
     fmt = ctx.config.rollout.turn_format
     ps = [rl_prompt(ctx.processor, f"{p.id}@{step}", p.question, p.images, fmt) for p in sp.prompts]
@@ -254,7 +255,7 @@ def pass_counts(ctx: GRPOContext, run: setup.Run, k: int) -> np.ndarray:
     n = len(ctx.source)
     share = -(-n // ctx.hosts)
     mine = list(range(ctx.host * share, min(n, (ctx.host + 1) * share)))
-    ctx.engine.set_model(rollout_model(run.mdef, run.state.params, ctx.sampling_mesh))
+    ctx.engine.set_model(rollout_model(run.mdef, run.state.params, ctx.sampling_mesh, ctx.rules))
     fmt = ctx.config.rollout.turn_format
     counts = np.zeros(share, np.int32)  # this host's share, padded to equal length for the allgather
     chunk = max(1, int(ctx.config.prompts_per_step) // ctx.hosts)

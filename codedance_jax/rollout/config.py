@@ -62,10 +62,10 @@ class RolloutConfig:
     @classmethod
     def from_block(cls, block, *, evaluation: bool = False, **overrides) -> RolloutConfig:
         """From a run config's `rollout` block (sequences as tuples). Its sampling fields belong to
-        `SamplingConfig` and `mesh_data` to the engine's mesh (`placement.sampling_mesh`); any other
-        unknown field is an error, as a misspelt override should be."""
+        `SamplingConfig` and `mesh_data` / `mesh_tensor` to the engine's mesh (`placement.sampling_mesh`);
+        any other unknown field is an error, as a misspelt override should be."""
         r = {k: tuple(v) if isinstance(v, list | tuple) else v for k, v in dict(block).items()
-             if k not in ("temperature", "top_p", "top_k", "mesh_data")}
+             if k not in ("temperature", "top_p", "top_k", "mesh_data", "mesh_tensor")}
         return (cls.eval if evaluation else cls.train)(**{**r, **overrides})
 
     @property

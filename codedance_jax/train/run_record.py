@@ -27,7 +27,8 @@ FILE = "run_config.json"
 IGNORED = (
     "mesh", "sharding_rules", "checkpoint", "log_every", "tensorboard", "peak_tflops_per_device", "total_steps",
     "grad_accum", "remat", "attention", "export_policy", "eval", "trajectories_every", "data.tfds_dir", "sandbox.num_workers",
-    "rollout.decode_chunk", "rollout.append_min_frac", "rollout.mesh_data", "data.pack", "data.pack_row_multiple",
+    "rollout.decode_chunk", "rollout.append_min_frac", "rollout.mesh_data", "rollout.mesh_tensor",
+    "data.pack", "data.pack_row_multiple",
 )
 _state: dict[str, Any] = {"allow": False, "workdir": None}  # workdir: of the run that passed `check`
 
