@@ -3,6 +3,7 @@ r"""Compile a run's jitted steps for a TPU slice on this (CPU) machine: memory a
   python -m launch.preflight --config=configs/sft.py:qwen25vl_7b --config.grad_accum=2 --topology=v5p:4x4x4
   python -m launch.preflight --config=configs/grpo.py:qwen25vl_7b --topology=v5p:4x4x4
   python -m launch.preflight --config=configs/grpo.py:qwen25vl_7b --topology=v5p:4x4x4 --only=rollout
+  python -m launch.preflight --config=configs/grpo.py:tiny --topology=v5e:2x2 --all_buckets   # every bucket's steps
   python -m launch.preflight --config=configs/sft.py:qwen25vl_7b --config.grad_accum=2 --extrapolate_depth --cost_model
 
 --cost_model compiles the training steps as one micro-batch with the output layer in one chunk:
@@ -31,6 +32,9 @@ _TOPOLOGY = flags.DEFINE_string("topology", "v5p:4x4x4", "TPU slice CHIP:AxB[xC]
 _ROWS = flags.DEFINE_integer("rows_per_chip", 0, "rows per chip per micro-batch; sets the global batch to "
                              "rows x data*fsdp x grad_accum (0 = keep the config's batch)")
 _BUCKET = flags.DEFINE_integer("bucket", -1, "which of the config's (tokens, image tokens, windows) buckets")
+_ALL_BUCKETS = flags.DEFINE_bool("all_buckets", False, "compile the training steps at every bucket of the "
+                                   "config (the run's whole update plan; multi-host GRPO runs use only the unpacked "
+                                   "layout compiled here), not only --bucket; the rollout once")
 _DEPTH = flags.DEFINE_bool("extrapolate_depth", False, "compile at 1-2 layers and extrapolate linearly to the "
                            "model's depth (for machines where compiling the whole model takes too long)")
 _ONLY = flags.DEFINE_enum("only", "", ["", "train", "rollout"], "GRPO: compile only the training steps or only the "
@@ -67,26 +71,38 @@ def main(argv):
     from codedance_jax.preflight import plan as plans
     from codedance_jax.train.batching import collate  # the real batch contract, at zero rows
 
-    def make_plan(depth=None):
-        return plans.plan_from_config(config, _TOPOLOGY.value, rows_per_chip=_ROWS.value, bucket=_BUCKET.value,
-                                     empty_batch=lambda bucket, vcfg: collate([], bucket, pad_id=0, vision_cfg=vcfg),
-                                     depth=depth, only=_ONLY.value, rollout_chips=_ROLLOUT_CHIPS.value,
-                                     cost_model=_COST.value)
+    buckets = config.buckets if "prompts_per_step" in config else config.data.buckets
+    picks = list(range(len(buckets))) if _ALL_BUCKETS.value and _ONLY.value != "rollout" else [_BUCKET.value]
+    plan, reports, described = None, [], []
+    for n, pick in enumerate(picks):
+        def make_plan(depth=None, pick=pick, only=(_ONLY.value if n == 0 else "train")):
+            return plans.plan_from_config(config, _TOPOLOGY.value, rows_per_chip=_ROWS.value, bucket=pick,
+                                         empty_batch=lambda bucket, vcfg: collate([], bucket, pad_id=0, vision_cfg=vcfg),
+                                         depth=depth, only=only, rollout_chips=_ROLLOUT_CHIPS.value,
+                                         cost_model=_COST.value)
 
-    try:
-        if _DEPTH.value:
-            cfg, _ = plans.model_config(config)
-            plan, reports = plans.compile_extrapolated(make_plan, cfg.text.num_hidden_layers, cfg.vision.depth, cfg=cfg)
-        else:
-            plan = make_plan()
-            reports = plans.compile_plan(plan)
-    except ValueError as e:
-        _fail(str(e))
-    print(plan.describe())
+        try:
+            if _DEPTH.value:
+                cfg, _ = plans.model_config(config)
+                plan, got = plans.compile_extrapolated(make_plan, cfg.text.num_hidden_layers, cfg.vision.depth, cfg=cfg)
+            else:
+                plan = make_plan()
+                got = plans.compile_plan(plan)
+        except ValueError as e:
+            _fail(str(e))
+        if len(picks) > 1:  # one row per (program, bucket)
+            for r in got:
+                if not r.name.startswith("rollout"):
+                    r.name = f"{r.name} @{tuple(plan.bucket)}"
+        reports += got
+        described.append(plan.describe())
+    if len(picks) > 1:
+        print(f"the whole update plan: {len(picks)} buckets {[tuple(b) for b in buckets]}")
+    print("\n".join(dict.fromkeys(x for d in described for x in d.split("\n"))))
     print(pf.format_table(reports, _TOPOLOGY.value))
     if _JSON.value:
         with open(_JSON.value, "w") as f:
-            json.dump({"topology": _TOPOLOGY.value, "plan": plan.describe(), "reports": [r.as_dict() for r in reports]},
+            json.dump({"topology": _TOPOLOGY.value, "plan": "\n".join(described), "reports": [r.as_dict() for r in reports]},
                       f, indent=1)
     bad = [r for r in reports if not r.fits]
     if bad:

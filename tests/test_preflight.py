@@ -105,6 +105,21 @@ def test_launcher_prints_the_table_and_exits_2_naming_buffers_when_a_step_does_n
     assert "does not fit v5e:2x2" in big.stderr and "largest buffers" in big.stdout
 
 
+@needs_libtpu
+def test_launcher_all_buckets_compiles_the_step_of_every_bucket(tmp_path):
+    """--all_buckets: one training-step row per bucket of the config (the run's whole update plan)."""
+    out = tmp_path / "plan.json"
+    cmd = [sys.executable, "-m", "launch.preflight", "--config=configs/sft.py:tiny", "--topology=v5e:2x2",
+           "--all_buckets", f"--json_out={out}"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr[-2000:]
+    import json
+
+    names = [x["name"] for x in json.loads(out.read_text())["reports"]]
+    assert names == ["sft.train_step @(128, 16, 8)", "sft.train_step @(256, 32, 16)"], names
+    assert "the whole update plan: 2 buckets" in r.stdout
+
+
 def test_launcher_exits_2_with_one_line_on_a_bad_topology():
     cmd = [sys.executable, "-m", "launch.preflight", "--config=configs/sft.py:tiny", "--topology=v5p-128"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -80,7 +80,9 @@ def evaluate_policy(c, workdir: str, policy: str, out_dir: str, pool, *, sampled
 
     import codedance_jax
     from codedance_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig, save_jsonl
-    from codedance_jax.rollout.placement import sampling_mesh, sampling_params
+    from codedance_jax.rollout.placement import sampling_params
+    from runs import setup
+    from runs.grpo import rollout_mesh
     from data.rl_prompts import read_prompts_jsonl
     from eval.rollouts import evaluate
 
@@ -95,9 +97,9 @@ def evaluate_policy(c, workdir: str, policy: str, out_dir: str, pool, *, sampled
     model, processor = codedance_jax.from_pretrained(policy)
     # On the host's sampling mesh, placed as the GRPO run places its policy: the evaluations and the
     # GRPO rollouts then share their compiled programs (the GRPO warm-up finds them compiled).
-    mesh = sampling_mesh(int(c.grpo.rollout.get("mesh_data", -1)))
+    mesh = rollout_mesh(c.grpo)
     graphdef, state = nnx.split(model)
-    model = nnx.merge(graphdef, sampling_params(state, mesh))
+    model = nnx.merge(graphdef, sampling_params(state, mesh, setup.sharding_rules(c.grpo)))
     rcfg = RolloutConfig.eval(**e.rollout, policy=policy)
     if sampled:
         sampling = SamplingConfig(temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, seed=e.seed)
