@@ -101,6 +101,11 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # True: the old log-probs are the trainer's (the update's own forward, as a verl recompute would give
     # with one update per batch; `logprob_mismatch` checks them against the sampler's); False: the sampler's.
     c.recompute_old_logprobs = True
+    # async_rollout: 1 samples step k+1's rollouts with step k's pre-update weights (a sampler copy of its own) in
+    #   a background thread while step k's update runs (runs/grpo_overlap.py): one step off-policy, the ratio taken
+    #   against the trajectories' recorded log-probs (so recompute_old_logprobs is overridden to False); each
+    #   metrics row records `staleness` (0 or 1) and time/rollout_start/_end, time/update_start/_end. 0: off.
+    c.async_rollout = 0
 
     # mesh_data: the sampling mesh, per process: rollout rows split over this many of the process's own devices
     #   (jax.local_devices(); -1 = all of them), the policy replicated over them and placed there device to device

@@ -10,7 +10,8 @@ One step, each stage a function of `runs/grpo_stages.py` with a typed result:
   4. batch: trajectories -> the GRPO batch padded to a bucket (`train.rl_batch`);
   5. the frozen reference's log-probs when KL is on (the old policy's are the update's own forward:
      one update per batch, so a separate recompute, as verl's, would run the same forward twice);
-  6. update: `train.grpo.grpo_train_step` (jitted, sharded, micro-batched);
+  6. update: `train.grpo.grpo_train_step` (jitted, sharded, micro-batched); with
+     `config.async_rollout=1` the next step's rollout runs meanwhile (`runs/grpo_overlap.py`);
   7. metrics (`runs/grpo_metrics.py`), evaluation on held-out prompts every `eval.every` steps
      (`eval.rollouts.evaluate`, the evaluation the demo and `launch.eval` use too), then the
      checkpoint (orbax, with the step number: prompts and sampling keys follow from it). Rows are
@@ -49,7 +50,7 @@ from codedance_jax.rollout.placement import sampling_mesh
 from codedance_jax.train import optim, run_record
 from codedance_jax.train.batching import check_buckets
 from codedance_jax.train.metrics import drop_rows_after
-from runs import grpo_plan, setup
+from runs import grpo_overlap, grpo_plan, setup
 from runs import grpo_stages as stages
 from runs.grpo_metrics import metrics_row
 from runs.grpo_stages import GRPOContext, rollout_model
@@ -332,6 +333,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     """Runs GRPO to `config.total_steps`, resuming from the latest checkpoint in `workdir`."""
     workdir = os.path.abspath(workdir)
     run_record.check(config, workdir, "grpo")
+    overlap = grpo_overlap.enabled(config)  # a config error before any work
     with contextlib.ExitStack() as closing:  # the run's files, then the sandbox pool, closed on any exit
         ctx, run, eval_engine, eval_prompts = open_context(config, workdir, closing)
         ctx = filter_prompts(ctx, run)
@@ -339,6 +341,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
         # Every program is compiled: from here on, a compilation is a shape outside the plan (a
         # warning naming it, and the step's `compilations`).
         closing.enter_context(UnplannedCompiles())
+        ahead = grpo_overlap.RolloutAhead(ctx, run) if overlap else None
+        if ahead is not None:
+            closing.callback(ahead.close)  # before the sandbox pool closes
         history, last_eval, ckpt_s = [], None, 0.0
         if run.start and config.eval.every and _eval_due(config, run.start) and not _has_eval(workdir, run.start):
             # The run stopped (preempted) after this step's checkpoint and before its evaluation.
@@ -348,9 +353,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
         for step in range(run.start, config.total_steps):
             # Row, evaluation, then checkpoint: whatever a kill loses is past the last checkpoint,
             # so the resumed run recomputes it (and `open_context` dropped its stale rows).
-            history.append(train_step(ctx, run, step, ckpt_s))
+            history.append(train_step(ctx, run, step, ckpt_s, ahead))
             stop = run.ckpt.should_stop(step + 1)
             if not stop and config.eval.every and _eval_due(config, step + 1):
+                if ahead is not None:
+                    ahead.wait()  # the evaluation shares the sandbox pool and the devices
                 last_eval = run_evaluation(ctx, run, eval_engine, eval_prompts, step + 1)
             ckpt_s = stages.checkpoint(ctx, run, step, stop)
             if stop:
@@ -386,24 +393,38 @@ def _has_eval(workdir: str, step: int) -> bool:
     return os.path.exists(path) and any(json.loads(x)["step"] == step for x in open(path) if x.strip())
 
 
-def train_step(ctx: GRPOContext, run: setup.Run, step: int, ckpt_s: float = 0.0) -> dict:
+def train_step(ctx: GRPOContext, run: setup.Run, step: int, ckpt_s: float = 0.0,
+               ahead: grpo_overlap.RolloutAhead | None = None) -> dict:
     """prompts -> rollouts -> scores and R_BAT advantages -> batch -> old log-probs -> update ->
-    metrics. Returns the metrics row (written); `ckpt_s` is the previous step's checkpoint save."""
+    metrics. Returns the metrics row (written); `ckpt_s` is the previous step's checkpoint save.
+    `ahead` (async_rollout): this step's rollouts may have been started during the previous update,
+    and the next step's start before this one's update."""
     t_step, c0, config = time.perf_counter(), CompileCounter.total(), ctx.config
-    prompts = stages.step_prompts(ctx, step)
-    rollouts = stages.rollout(ctx, run, prompts, step)
+    got = ahead.take(step) if ahead is not None else None
+    if got is None:
+        prompts = stages.step_prompts(ctx, step)
+        rollouts = stages.rollout(ctx, run, prompts, step)
+    else:
+        prompts, rollouts = got
     scores = stages.score(ctx, prompts, rollouts)
     t_traj = time.perf_counter()
     if config.trajectories_every and (step + 1) % config.trajectories_every == 0:
         stages.save_trajectories(ctx, rollouts, step)
     t_traj = time.perf_counter() - t_traj
     batch = stages.old_logprobs(ctx, run, stages.batch(ctx, rollouts, scores, step))
+    if ahead is not None:
+        rollouts = dataclasses.replace(rollouts, policy_model=None)  # its sampler copy, free once replaced
+        if step + 1 < config.total_steps:
+            ahead.start(step + 1)
     update = stages.update(ctx, run, batch, step)
     run.state = update.state
     row = metrics_row(prompts, rollouts, scores, batch, update, cfg=ctx.cfg, group_size=ctx.group_size,
                       keys=tuple(config.metric_keys),
                       peak_flops=config.peak_tflops_per_device * 1e12 * jax.device_count())
     row["time/checkpoint_s"] = ckpt_s
+    row["staleness"] = float(step - rollouts.version)  # updates the sampling policy was behind this update's
+    row.update({"time/rollout_start": rollouts.started, "time/rollout_end": rollouts.ended,
+                "time/update_start": update.started, "time/update_end": update.ended})
     row["time/trajectories_s"] = t_traj  # the jsonl and the policy's host copy (written from a thread)
     row["compilations"] = float(CompileCounter.total() - c0)
     row["step_time_s"] = time.perf_counter() - t_step

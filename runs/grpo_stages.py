@@ -8,7 +8,8 @@
     batch    -> GRPOBatch       trajectories -> the padded GRPO batch, on the mesh
     old_logprobs -> GRPOBatch   the reference's log-probs (KL on)
     update   -> Update          one jitted, sharded GRPO update; the old policy's log-probs are its
-                                own forward's (one update per batch), checked against the sampler's
+                                own forward's (one update per batch), checked against the sampler's;
+                                with `config.async_rollout` the sampler's recorded ones (`old_from_forward`)
 
 `GRPOContext` holds what every step reads (configs, mesh, engine, prompt source, caches). Each host
 rolls out its share of the prompts on its sampling mesh (its own devices, rows split over `data`,
@@ -111,6 +112,9 @@ class Rollouts:
     stats: RolloutStats
     policy_model: Any  # the module that sampled them (exported with the trajectories)
     time_s: float
+    version: int = -1  # updates applied to the sampling policy (the step's own number: on-policy)
+    started: float = 0.0  # wall clock (time.time()) of the rollout's start and end
+    ended: float = 0.0
 
 
 @dataclasses.dataclass
@@ -144,6 +148,8 @@ class Update:
     metrics: dict[str, float]  # train/* (loss, pg_loss, clip_frac, entropy, grad_norm, lr, n_tokens)
     time_s: float
     logprob_mismatch: float | None = None  # max |recomputed - sampled| old log-prob (update's forward)
+    started: float = 0.0  # wall clock (time.time()) of the update's start and end (its metrics fetched)
+    ended: float = 0.0
 
 
 # ----------------------------------------------------------------------------------- helpers
@@ -161,15 +167,32 @@ def host_slice(global_arr: np.ndarray, n_local: int) -> np.ndarray:
     return global_arr[i * n_local : (i + 1) * n_local]
 
 
-def rollout_model(mdef, params, sampling_mesh=None, rules=None):
+def rollout_model(mdef, params, sampling_mesh=None, rules=None, *, own: bool = False):
     """The policy as a module for the rollout engine: the trainer's parameters placed for the host's
     sampling mesh (`rollout.placement.sampling_params`: replicated over this host's devices, or split
     over its `tensor` axis as the run's sharding `rules` ask, moved device to device; with several
     processes gathered over the global mesh first). Without a sampling mesh, the trainer's arrays
-    themselves."""
-    if sampling_mesh is None:
-        return mdef.model(params)
-    return mdef.model(sampling_params(params, sampling_mesh, rules))
+    themselves. `own`: no leaf shares a device buffer with `params` (those that would are copied
+    device to device), so the update may donate `params` while this model samples (`async_rollout`)."""
+    placed = params if sampling_mesh is None else sampling_params(params, sampling_mesh, rules)
+    if own:
+        placed = own_copy(placed, params)
+    return mdef.model(placed)
+
+
+def _buffers(x) -> set[int]:
+    return {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+
+
+def own_copy(placed, params):
+    """`placed` with every leaf that aliases a buffer of `params` (a placement that kept the
+    trainer's arrays, or adopted them on another mesh) copied on its devices: no host round trip,
+    nothing compiled (`device_put(may_alias=False)`), ready when it returns."""
+    trainer = set().union(*(_buffers(x) for x in jax.tree.leaves(params)))
+    leaves, treedef = jax.tree.flatten(placed)
+    with jax.transfer_guard("disallow"):
+        out = [jax.device_put(x, x.sharding, may_alias=False) if _buffers(x) & trainer else x for x in leaves]
+    return jax.block_until_ready(jax.tree.unflatten(treedef, out))
 
 
 # ----------------------------------------------------------------------------------- stages
@@ -182,16 +205,21 @@ def step_prompts(ctx: GRPOContext, step: int) -> StepPrompts:
                        [p.question for p in prompts for _ in range(g)], [p.meta for p in prompts for _ in range(g)])
 
 
-def rollout(ctx: GRPOContext, run: setup.Run, sp: StepPrompts, step: int) -> Rollouts:
-    """group_size samples of each prompt with the current policy; sampling keys follow from the step."""
-    policy_model = rollout_model(run.mdef, run.state.params, ctx.sampling_mesh, ctx.rules)
+def rollout(ctx: GRPOContext, run: setup.Run, sp: StepPrompts, step: int, policy_model=None,
+            version: int | None = None) -> Rollouts:
+    """group_size samples of each prompt with the current policy (or `policy_model`, which has had
+    `version` updates: `runs/grpo_overlap.py`); sampling keys follow from the step."""
+    started = time.time()
+    if policy_model is None:
+        policy_model = rollout_model(run.mdef, run.state.params, ctx.sampling_mesh, ctx.rules)
     ctx.engine.set_model(policy_model)
     fmt = ctx.config.rollout.turn_format
     ps = [rl_prompt(ctx.processor, f"{p.id}@{step}", p.question, p.images, fmt) for p in sp.prompts]
     t0 = time.perf_counter()
     trajs, stats = ctx.engine.rollout(ps, group_size=ctx.group_size, sandbox=ctx.pool,
                                       seed_offset=(step * ctx.hosts + ctx.host) * len(ps) * ctx.group_size)
-    return Rollouts(trajs, stats, policy_model, time.perf_counter() - t0)
+    return Rollouts(trajs, stats, policy_model, time.perf_counter() - t0, step if version is None else version,
+                    started, time.time())
 
 
 def score(ctx: GRPOContext, sp: StepPrompts, ro: Rollouts) -> Scores:
@@ -340,9 +368,9 @@ def old_logprobs(ctx: GRPOContext, run: setup.Run, b: GRPOBatch) -> GRPOBatch:
 
 def update(ctx: GRPOContext, run: setup.Run, b: GRPOBatch, step: int) -> Update:
     """One GRPO update (jitted once per batch shape); the state's arrays are donated. With
-    `recompute_old_logprobs` the old log-probs come from the update's forward and `logprob_mismatch`
+    `old_from_forward(config)` the old log-probs come from the update's forward and `logprob_mismatch`
     from its metrics."""
-    t0 = time.perf_counter()
+    started, t0 = time.time(), time.perf_counter()
     step_fn = run.steps.get(update_key(ctx, b.key), lambda: build_update(ctx, run, b.shardings))
     # Placed replicated, as the plan's ahead-of-time compile took it (`runs/grpo_plan.py`).
     rng = setup.replicated_key(step, ctx.mesh)
@@ -350,19 +378,26 @@ def update(ctx: GRPOContext, run: setup.Run, b: GRPOBatch, step: int) -> Update:
         state, m = step_fn(run.state, b.arrays, rng)
     m = {k: float(v) for k, v in jax.device_get(m).items()}
     mismatch = m.pop("logprob_mismatch", None)
-    return Update(state, m, time.perf_counter() - t0, logprob_mismatch=mismatch)
+    return Update(state, m, time.perf_counter() - t0, logprob_mismatch=mismatch, started=started, ended=time.time())
+
+
+def old_from_forward(config) -> bool:
+    """The update takes the old log-probs from its own forward (`recompute_old_logprobs`), unless
+    `async_rollout`: then the sampler's policy is one update behind the update's and only the
+    trajectories' recorded log-probs are the sampling policy's (the ratio's denominator)."""
+    return bool(config.recompute_old_logprobs) and not int(config.get("async_rollout", 0))
 
 
 def update_key(ctx: GRPOContext, batch_key: tuple) -> tuple:
     """The update's StepCache key: the batch's shapes and the switches that change its program."""
-    return batch_key + (("ref", ctx.ref_params is not None), ("old_from_forward", bool(ctx.config.recompute_old_logprobs)))
+    return batch_key + (("ref", ctx.ref_params is not None), ("old_from_forward", old_from_forward(ctx.config)))
 
 
 def build_update(ctx: GRPOContext, run: setup.Run, shardings: dict):
     """jit(grpo_train_step) for a batch with these shardings (the state donated)."""
     return grpo.make_grpo_step(run.mdef, ctx.tx, ctx.sched, ctx.loss, run.state_sh, shardings, ctx.mesh,
                                accum_steps=ctx.config.grad_accum, temperature=ctx.config.rollout.temperature,
-                               rules=ctx.rules, old_from_forward=bool(ctx.config.recompute_old_logprobs))
+                               rules=ctx.rules, old_from_forward=old_from_forward(ctx.config))
 
 
 def build_logprob(ctx: GRPOContext, run: setup.Run, shardings: dict):
