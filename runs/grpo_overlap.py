@@ -58,8 +58,9 @@ class RolloutAhead:
         self.wait()
         run, ctx = self.run, self.ctx
         model = stages.rollout_model(run.mdef, run.state.params, ctx.sampling_mesh, ctx.rules, own=True)
+        version = int(run.state.step)  # the updates these weights have had (the row's staleness: step - version)
         prompts = stages.step_prompts(ctx, step)
-        fut = self._pool.submit(lambda: (prompts, stages.rollout(ctx, run, prompts, step, model, version=step - 1)))
+        fut = self._pool.submit(lambda: (prompts, stages.rollout(ctx, run, prompts, step, model, version=version)))
         self._pending = (step, fut)
 
     def take(self, step: int) -> tuple[stages.StepPrompts, stages.Rollouts] | None:

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from codedance_jax.rollout.buckets import CompileCounter
-from codedance_jax.train.batching import VISION_KEYS, Bucket, empty_batch
+from codedance_jax.train.batching import VISION_KEYS, Bucket, empty_batch, max_bucket_across_hosts
 from runs import grpo_stages as stages
 from runs import setup
 
@@ -72,7 +72,8 @@ def planned_batch(ctx: stages.GRPOContext, bucket: Bucket, pack_k: int | None, v
 
 
 def warm_rewards(ctx: stages.GRPOContext) -> None:
-    """The R_BAT kernels (`stages.score`) once on zero inputs of the step's global shapes and dtypes."""
+    """The R_BAT kernels (`stages.score`) once on zero inputs of the step's global shapes and dtypes,
+    and with several processes the allgathers that feed them and pick the step's bucket."""
     from codedance_jax.rl import rbat_advantages, rbat_rewards
 
     n, m = ctx.n_local * ctx.hosts, int(ctx.engine.cfg.max_turns)
@@ -84,6 +85,11 @@ def warm_rewards(ctx: stages.GRPOContext) -> None:
         extra["resp_len"] = np.zeros(n, np.float32)
     jax.block_until_ready(rbat_advantages(*glob, group_size=ctx.group_size, cfg=ctx.rbat, **extra))
     jax.block_until_ready(rbat_rewards(*glob, group_size=ctx.group_size, cfg=ctx.rbat, resp_len=extra.get("resp_len")))
+    if ctx.hosts > 1:  # the step's allgathers (`stages.score`, `stages.batch`): one program per shape
+        b = ctx.n_local
+        for x in (np.zeros(b, np.float32), np.zeros(b, bool), np.zeros((b, m), bool)):
+            stages.global_view(x)
+        max_bucket_across_hosts(0)
 
 
 def warm_up(ctx: stages.GRPOContext, run: setup.Run, eval_engine=None, eval_prompts: int = 0) -> dict:

@@ -9,7 +9,6 @@ trajectories' recorded log-probs reproduced by the exported sampling policy, the
 (so the donated update did not touch what the sampler read).
 """
 
-import json
 import os
 import sys
 
@@ -134,3 +133,34 @@ def test_sampler_copy_shares_no_buffer_with_the_trainer():
     assert CompileCounter.total() == c0
     assert not _buffers(got["a"]) & _buffers(trainer["a"]) and got["b"] is other
     np.testing.assert_array_equal(np.asarray(got["a"]), np.asarray(trainer["a"]))
+
+
+def test_async_two_processes_overlap(tmp_path):
+    """`launch.grpo` on 2 processes x 4 CPU devices (gloo on 127.0.0.1), async_rollout=1, 3 steps:
+    both finish, nothing compiles after the plan, and (process 0's rows) each step's rollout of the
+    next one started before its update ended."""
+    if sys.platform != "linux" or os.geteuid() != 0:
+        pytest.skip("the sandbox needs Linux and root")
+    import subprocess
+
+    from launch_env import launcher_env
+    from test_grpo_loop import _free_port
+
+    workdir, port = str(tmp_path / "mp"), _free_port()
+    over = {**OVERRIDES, "async_rollout": 1, "total_steps": 3, "checkpoint.every_steps": 3, "eval.every": 0}
+    cmd = [sys.executable, "-m", "launch.grpo", f"--workdir={workdir}", "--config=configs/grpo.py:tiny",
+           *(f"--config.{k}={v}" for k, v in over.items()),
+           "--cpu_devices=4", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2"]
+    procs = [subprocess.Popen([*cmd, f"--process_id={i}"], cwd=REPO, env=launcher_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True) for i in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+    rows = _rows(workdir)
+    assert sorted(rows) == [1, 2, 3]
+    assert [rows[s]["staleness"] for s in (1, 2, 3)] == [0, 1, 1], rows
+    assert [rows[s]["compilations"] for s in (1, 2, 3)] == [0, 0, 0], rows
+    for s in (1, 2):
+        assert rows[s + 1]["time/rollout_start"] < rows[s]["time/update_end"], (s, rows[s], rows[s + 1])
+    for r in rows.values():
+        assert np.isfinite(r["train/ratio_mean"]) and 0.0 <= r["train/clip_frac"] <= 1.0, r
