@@ -6,7 +6,8 @@ steps, then resumed to 4 in the same workdir (the resumed step rolls out synchro
 staleness per step, the timestamps' overlap, no compilation after the plan, a plausible off-policy
 ratio (against the recorded log-probs: not 1 exactly once the sampler is one update behind), and the
 trajectories' recorded log-probs reproduced by the exported sampling policy, the pre-update copy
-(so the donated update did not touch what the sampler read).
+(so the donated update did not touch what the sampler read). Then `launch.grpo` on 2 processes x 4
+devices, async: each next rollout starts before the update ends, nothing compiles after the plan.
 """
 
 import os
