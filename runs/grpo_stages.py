@@ -190,7 +190,7 @@ def own_copy(placed, params):
     nothing compiled (`device_put(may_alias=False)`), ready when it returns."""
     trainer = set().union(*(_buffers(x) for x in jax.tree.leaves(params)))
     leaves, treedef = jax.tree.flatten(placed)
-    with jax.transfer_guard("disallow"):
+    with jax.transfer_guard_host_to_device("disallow"), jax.transfer_guard_device_to_host("disallow"):
         out = [jax.device_put(x, x.sharding, may_alias=False) if _buffers(x) & trainer else x for x in leaves]
     return jax.block_until_ready(jax.tree.unflatten(treedef, out))
 
