@@ -238,8 +238,12 @@ def tunix_case(args):
     stepper = GRPOStepper(gcfg, cfg, processor)
 
     def ours(first):
-        return [stepper.step(i, prompts, ["0"] * len(prompts), s["group"], None, None)
-                for i in range(first, first + args.steps)]
+        rows = []
+        for i in range(first, first + args.steps):
+            last = args.trace and first == 0 and i == args.steps - 1  # a jax.profiler trace of the first run's last step
+            with jax.profiler.trace(args.trace, create_perfetto_trace=True) if last else contextlib.nullcontext():
+                rows.append(stepper.step(i, prompts, ["0"] * len(prompts), s["group"], None, None))
+        return rows
 
     # ours, Tunix, ours again: on a shared machine the load drifts, so ours brackets Tunix's run and
     # the figures compared are the mean of our two medians (the first run's first step compiles).
@@ -298,7 +302,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="4 prompts x 4 in the demo case, 3 steps")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--tunix-python", default=os.environ.get("TUNIX_PYTHON", "/tmp/tunix-venv/bin/python"))
-    ap.add_argument("--trace", default=None, help="demo case: a jax.profiler trace of the last step into this directory")
+    ap.add_argument("--trace", default=None, help="a jax.profiler trace of the last step (tunix: of our first run) into this directory")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "grpo_step.json"))
     args = ap.parse_args()
     args.steps = args.steps or (3 if args.quick else 5)
