@@ -5,6 +5,12 @@ owned by a `sandbox.PoolThread` (the trainers' owner too) and closed at the end;
 through `eval.rollouts.evaluate` (via `RolloutPolicy`), the one evaluation rollout of the project;
 `sandbox.kind="none"` runs without code execution (code turns get an error observation: for
 machines without root).
+
+Two layouts: `config.mesh` is how the checkpoint is loaded (its parameters read onto that mesh,
+fsdp over all devices by default); sampling runs on the host's sampling mesh,
+`config.rollout.mesh_data` x `mesh_tensor` of this process's own devices (every one by default),
+where the parameters are then placed device to device (`codedance_jax.rollout.placement`) and the
+loaded copy dropped, so one copy stays alive. Each batch's rows are split over its `data` axis.
 """
 
 from __future__ import annotations
@@ -49,10 +55,12 @@ def evaluate(config, workdir: str) -> dict:
         items = multihost.share(items, proc, n_proc)
         run_dir = multihost.process_dir(workdir, proc)
         os.makedirs(run_dir, exist_ok=True)
+    sm = sampling_mesh_of(config)  # checked before the checkpoint is read
     mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor,
                      devices=jax.local_devices() if n_proc > 1 else None)
     model, processor = codedance_jax.from_pretrained(config.checkpoint, dtype=config.dtype, mesh=mesh,
                                                      sharding_tolerance=config.sharding_tolerance)
+    model = on_sampling_mesh(model, sm)  # rebinding `model` frees the loaded (fsdp) copy
     os.makedirs(workdir, exist_ok=True)  # inputs and checkpoint are good: the run starts writing
     if proc == 0:
         with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -82,7 +90,7 @@ def evaluate(config, workdir: str) -> dict:
             policy_path=os.path.abspath(config.checkpoint),
             turn_format=config.turn_format,
             rollout=dict(config.rollout),
-            mesh=mesh,  # rows over the data axis (config.mesh.data > 1); parameters as from_pretrained laid them
+            mesh=sm,  # rows over its data axis; the parameters placed for it
         )
         summary = run_eval(
             config.benchmark, items, policy, run_dir, batch_size=config.batch_size, judge=judge, log=logging.info
@@ -103,6 +111,39 @@ def evaluate(config, workdir: str) -> dict:
     write_report(workdir, summary)
     logging.info("summary: %s", json.dumps(summary))
     return summary
+
+
+def sampling_mesh_of(config):
+    """The host's sampling mesh: `config.rollout.mesh_data` (-1: all that mesh_tensor leaves) x
+    `mesh_tensor` of this process's devices, checked against `rollout.batch_multiple` (the engine
+    splits every row bucket over its `data` axis)."""
+    from codedance_jax.rollout.placement import sampling_mesh
+
+    r = config.rollout
+    data, tensor = int(r.get("mesh_data", -1)), int(r.get("mesh_tensor", 1))
+    sm = sampling_mesh(data, tensor)
+    n, multiple = sm.shape["data"], int(r.batch_multiple)
+    if multiple % n:
+        raise ConfigError(f"config.rollout.batch_multiple={multiple} is not a multiple of the sampling mesh's {n} "
+                          f"data slices (config.rollout.mesh_data={data}, mesh_tensor={tensor}): the rows of a "
+                          f"batch could not be split over them",
+                          f"set config.rollout.batch_multiple to a multiple of {n}, or config.rollout.mesh_data "
+                          f"to a divisor of {multiple}")
+    return sm
+
+
+def on_sampling_mesh(model, mesh):
+    """`model` with its parameters placed for the sampling mesh (`placement.sampling_params`, device
+    to device; split over `tensor` by the logical axes of `sharding.DEFAULT_RULES`, the table the
+    checkpoint was loaded with). The caller rebinds its name to the result: the loaded arrays are
+    then unreferenced and freed, one copy of the policy stays."""
+    from flax import nnx
+
+    from codedance_jax.rollout.placement import sampling_params
+
+    graphdef, state = nnx.split(model)
+    del model
+    return nnx.merge(graphdef, sampling_params(state, mesh))
 
 
 def _write_tool_use(workdir: str) -> None:

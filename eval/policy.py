@@ -39,8 +39,11 @@ class RolloutPolicy:
 
     `rollout`: RolloutConfig fields (token budgets, buckets, observation limits); `sandbox`: a
     `SandboxPool` (or anything with its `new_session` interface), None for no code execution;
-    `script(row, turn)`: forced text per turn (scripted policies in tests). `mesh`: the model's mesh;
-    with a `data` axis over several devices each batch's rows are split over it (`RolloutEngine(mesh=)`).
+    `script(row, turn)`: forced text per turn (scripted policies in tests). `mesh`: the sampling mesh
+    the model's parameters are placed for (`placement.sampling_mesh` / `sampling_params`); with a
+    `data` axis over several devices each batch's rows are split over it (`RolloutEngine(mesh=)`).
+    `rollout`'s `mesh_data` / `mesh_tensor` (a run config's block) name that mesh, not the engine's
+    config: they are left out here.
     """
 
     def __init__(
@@ -58,8 +61,9 @@ class RolloutPolicy:
     ):
         self.processor, self.sandbox, self.script = processor, sandbox, script
         self.max_turns, self.turn_format = max_turns, turn_format
+        fields = {k: v for k, v in (rollout or {}).items() if k not in ("mesh_data", "mesh_tensor")}
         cfg = RolloutConfig.eval(
-            **{**(rollout or {}), "max_turns": max(1, max_turns), "turn_format": turn_format, "policy": policy_path}
+            **{**fields, "max_turns": max(1, max_turns), "turn_format": turn_format, "policy": policy_path}
         )
         self.engine = RolloutEngine(model, processor, cfg, SamplingConfig(greedy=True), mesh=mesh)
         self.stats: list[dict] = []

@@ -111,7 +111,8 @@ class RolloutEngine:
             raise ConfigError(
                 f"rollout batch_multiple={self.cfg.batch_multiple} is not a multiple of the mesh's data axis "
                 f"({self.mesh.shape['data']}): the batch's rows could not be split over it",
-                "set rollout.batch_multiple to a multiple of mesh.data")
+                f"set rollout.batch_multiple to a multiple of {self.mesh.shape['data']}, or the sampling mesh's "
+                "data size (rollout.mesh_data) to a divisor of it")
         self.sampling = sampling or SamplingConfig()
         self.fmt = get_turn_format(self.cfg.turn_format)
         mcfg = model.cfg

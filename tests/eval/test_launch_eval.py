@@ -51,7 +51,7 @@ def _launch(ckpt, data, wd, *extra):
         "--config.rollout.max_turn_tokens=12",
         "--config.rollout.max_new_tokens=24",
         "--config.rollout.max_total_tokens=448",
-        "--config.rollout.batch_multiple=4",
+        "--config.rollout.batch_multiple=8",  # the default sampling mesh: every one of the 8 devices
         "--config.rollout.prompt_buckets=(384,)",
         "--config.rollout.obs_buckets=(64,)",
         "--config.rollout.decode_chunk=12",
@@ -88,6 +88,9 @@ def test_launch_eval_end_to_end_and_resume(tmp_path, tiny_checkpoint):
     assert html.count('class="item ') == 3 and "75.2" in html
     for name in ("predictions.tsv", "summary.md", "config.json", "rollout_stats.jsonl"):
         assert os.path.isfile(os.path.join(wd, name)), name
+    stats = [json.loads(x) for x in open(os.path.join(wd, "rollout_stats.jsonl"))]  # sampled on all 8 devices
+    assert stats and all(st["sampling_devices"] == 8 and st["sampling_mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
+                         for st in stats)
     tools = json.load(open(os.path.join(wd, "tool_use.json")))["all"]  # the executed cells' analytics
     assert tools["trajectories"] == 3 and tools["cells"] == sum(  # a malformed block (code None) never ran
         sum(u["status"] in ("ok", "error", "timeout", "crashed") and u["code"] is not None for u in t["turns"])
