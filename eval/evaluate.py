@@ -115,21 +115,11 @@ def evaluate(config, workdir: str) -> dict:
 
 def sampling_mesh_of(config):
     """The host's sampling mesh: `config.rollout.mesh_data` (-1: all that mesh_tensor leaves) x
-    `mesh_tensor` of this process's devices, checked against `rollout.batch_multiple` (the engine
-    splits every row bucket over its `data` axis)."""
-    from codedance_jax.rollout.placement import sampling_mesh
+    `mesh_tensor` of this process's devices, checked against `rollout.batch_multiple`
+    (`placement.rollout_sampling_mesh`, as the GRPO loop builds its own)."""
+    from codedance_jax.rollout.placement import rollout_sampling_mesh
 
-    r = config.rollout
-    data, tensor = int(r.get("mesh_data", -1)), int(r.get("mesh_tensor", 1))
-    sm = sampling_mesh(data, tensor)
-    n, multiple = sm.shape["data"], int(r.batch_multiple)
-    if multiple % n:
-        raise ConfigError(f"config.rollout.batch_multiple={multiple} is not a multiple of the sampling mesh's {n} "
-                          f"data slices (config.rollout.mesh_data={data}, mesh_tensor={tensor}): the rows of a "
-                          f"batch could not be split over them",
-                          f"set config.rollout.batch_multiple to a multiple of {n}, or config.rollout.mesh_data "
-                          f"to a divisor of {multiple}")
-    return sm
+    return rollout_sampling_mesh(config.rollout)
 
 
 def on_sampling_mesh(model, mesh):

@@ -46,7 +46,7 @@ from codedance_jax.errors import ConfigError
 from codedance_jax.rl import GRPOLossConfig, RBATConfig, selection
 from codedance_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig
 from codedance_jax.rollout.buckets import CompileCounter
-from codedance_jax.rollout.placement import sampling_mesh
+from codedance_jax.rollout.placement import rollout_sampling_mesh
 from codedance_jax.train import optim, run_record
 from codedance_jax.train.batching import check_buckets
 from codedance_jax.train.metrics import drop_rows_after
@@ -122,18 +122,9 @@ def rollout_config(config, *, evaluation: bool = False) -> RolloutConfig:
 
 def rollout_mesh(config) -> jax.sharding.Mesh:
     """The host's sampling mesh: `config.rollout.mesh_data` x `mesh_tensor` of this process's own
-    devices (mesh_data -1: all that mesh_tensor leaves) as (data, 1, tensor), checked against
-    `rollout.batch_multiple` (the engine splits every row bucket over `data`)."""
-    r = config.rollout
-    sm = sampling_mesh(int(r.get("mesh_data", -1)), int(r.get("mesh_tensor", 1)))
-    n, multiple = sm.shape["data"], int(r.batch_multiple)
-    if multiple % n:
-        raise ConfigError(f"config.rollout.batch_multiple={multiple} is not a multiple of the sampling mesh's "
-                          f"{n} data slices (config.rollout.mesh_data={r.get('mesh_data', -1)}, "
-                          f"mesh_tensor={r.get('mesh_tensor', 1)}): the rollout rows could not be split over them",
-                          f"set config.rollout.batch_multiple to a multiple of {n}, or config.rollout.mesh_data "
-                          f"to a divisor of {multiple}")
-    return sm
+    devices as (data, 1, tensor), checked against `rollout.batch_multiple`
+    (`placement.rollout_sampling_mesh`)."""
+    return rollout_sampling_mesh(config.rollout)
 
 
 def prepare_files(config, workdir: str) -> dict:

@@ -70,6 +70,23 @@ def sampling_mesh(data: int = -1, tensor: int = 1, devices=None) -> jax.sharding
     return sharding.make_mesh(n, 1, tensor, devices=local[: n * tensor])
 
 
+def rollout_sampling_mesh(rollout) -> jax.sharding.Mesh:
+    """The sampling mesh a run's `rollout` config block names: `mesh_data` (-1: every device that
+    `mesh_tensor` leaves) x `mesh_tensor` of this process's devices, checked against the block's
+    `batch_multiple` (the engine splits every row bucket over `data`). The GRPO loop and
+    `launch.eval` build theirs here."""
+    data, tensor = int(rollout.get("mesh_data", -1)), int(rollout.get("mesh_tensor", 1))
+    sm = sampling_mesh(data, tensor)
+    n, multiple = sm.shape["data"], int(rollout.batch_multiple)
+    if multiple % n:
+        raise ConfigError(f"config.rollout.batch_multiple={multiple} is not a multiple of the sampling mesh's {n} "
+                          f"data slices (config.rollout.mesh_data={data}, mesh_tensor={tensor}): the rows of a "
+                          "batch could not be split over them",
+                          f"set config.rollout.batch_multiple to a multiple of {n}, or config.rollout.mesh_data "
+                          f"to a divisor of {multiple}")
+    return sm
+
+
 def mesh_summary(mesh: jax.sharding.Mesh | None) -> dict[str, int] | None:
     """{axis: size} of a mesh (None without one), as the rollout stats record it."""
     return None if mesh is None else {str(k): int(v) for k, v in mesh.shape.items()}
