@@ -50,8 +50,8 @@ VARIANTS: dict[str, Variant] = {
                   {"loss.kl_coef": 0.001}),
     "filter_pass": Variant("RL prompts the SFT policy sometimes solves (0 < pass < 8)", "CodeDance release",
                            {"data.filter_pass": (0.0, 1.0), "data.filter_samples": 8}),
-    "warmup": Variant("learning-rate warm-up over 10% of the steps", "common recipe",
-                      {"optim.warmup_ratio": 0.1}),
+    "no_warmup": Variant("no learning-rate warm-up (the demo's default warms up over 10% of the steps)",
+                         "the demo's recipe before 2026-12-06", {"optim.warmup_ratio": 0.0}),
 }
 
 
