@@ -81,10 +81,10 @@ def evaluate_policy(c, workdir: str, policy: str, out_dir: str, pool, *, sampled
     import codedance_jax
     from codedance_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig, save_jsonl
     from codedance_jax.rollout.placement import sampling_params
-    from runs import setup
-    from runs.grpo import rollout_mesh
     from data.rl_prompts import read_prompts_jsonl
     from eval.rollouts import evaluate
+    from runs import setup
+    from runs.grpo import rollout_mesh
 
     summary_path = os.path.join(out_dir, "summary.json")
     if os.path.exists(summary_path):
