@@ -18,7 +18,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_grpo_loop import OVERRIDES, _rows  # noqa: E402
+from test_grpo_loop import OVERRIDES, _rows, assert_recorded_logprobs  # noqa: E402
 
 # The parameters replicated over data=8, as the sampling mesh's 8 devices want them: the sampler's
 # placement keeps the trainer's very arrays, so without its own copy the donated update deletes
@@ -79,21 +79,12 @@ def test_async_trajectories_carry_their_sampling_policy_log_probs(async_run):
     """Step 2's trajectories were sampled by the pre-update copy of step 1's weights, exported as
     policies/step_1: one forward of it reproduces their recorded log-probs, which are the batch's
     old log-probs (`rl_batch`): the ratio is taken against the sampling policy."""
-    import codedance_jax
     from codedance_jax.rollout import load_jsonl
 
     workdir, _ = async_run
     trajs = [t for t in load_jsonl(os.path.join(workdir, "trajectories.jsonl")) if t.policy.endswith("step_1")]
     assert len(trajs) == 16
-    model, processor = codedance_jax.from_pretrained(trajs[0].policy)
-    sys.path.insert(0, os.path.join(REPO, "tests", "rollout"))
-    from rollout_helpers import full_logprobs
-
-    ref = full_logprobs(model, processor, trajs[:6], length=512)
-    for t, lp in zip(trajs[:6], ref, strict=True):
-        m = np.asarray(t.loss_mask, bool)
-        assert m.sum() > 0
-        np.testing.assert_allclose(np.asarray(t.logprobs)[m], lp[m], atol=2e-4)
+    assert_recorded_logprobs(trajs[:6])
 
 
 def test_async_takes_the_recorded_old_log_probs():

@@ -130,18 +130,25 @@ def test_rollouts_split_over_every_device(reference_run):
 
 def test_trajectory_records_reproduce_with_their_policy(reference_run):
     """SPEC section 2: one full forward of `policy` over `tokens` gives `logprobs` on sampled tokens."""
-    import codedance_jax
     from codedance_jax.rollout import load_jsonl
 
     workdir, _ = reference_run
     trajs = load_jsonl(os.path.join(workdir, "trajectories.jsonl"))
     assert len(trajs) == 16 and all(t.policy and t.rewards for t in trajs)
+    assert_recorded_logprobs(trajs[:8])
+
+
+def assert_recorded_logprobs(trajs):
+    """One full forward of the trajectories' policy (`trajs[0].policy`) over their tokens gives the
+    log-probs they recorded on their sampled tokens."""
+    import codedance_jax
+
     model, processor = codedance_jax.from_pretrained(trajs[0].policy)
     sys.path.insert(0, os.path.join(REPO, "tests", "rollout"))
     from rollout_helpers import full_logprobs
 
-    ref = full_logprobs(model, processor, trajs[:8], length=512)
-    for t, lp in zip(trajs[:8], ref, strict=True):
+    ref = full_logprobs(model, processor, trajs, length=512)
+    for t, lp in zip(trajs, ref, strict=True):
         m = np.asarray(t.loss_mask, bool)
         assert m.sum() > 0
         np.testing.assert_allclose(np.asarray(t.logprobs)[m], lp[m], atol=2e-4)
