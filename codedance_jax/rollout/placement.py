@@ -20,27 +20,39 @@ for the whole placement.
   sampling arrays without a copy. A leaf already placed so is passed through; every leaf comes back
   with the one sharding `NamedSharding(mesh, P())`, so engines built from a trainer's state and
   from a checkpoint on the same mesh run the same compiled programs (the demo's evaluations and
-  its GRPO rollouts).
+  its GRPO rollouts). The whole leaf is what each sampling device needs here, so the gather moves
+  nothing that is not kept, with one process or several.
 * tensor > 1: each `nnx.Variable` split as the model's logical axes ask through the trainer's
   rules table, restricted to the sampling mesh: only `tensor` targets count (no fsdp, no data
   sharding of weights), a dimension that `tensor` does not divide stays whole (`sharding.fit_spec`,
   e.g. 2 KV heads on 4 devices); leaves without logical axes are replicated. One jitted identity
-  with those out_shardings moves the leaves from the trainer's mesh when the sampling devices are
-  the trainer's devices in its order, or a subset that keeps each device's tensor index (a mesh
-  over the trainer's devices then takes the output, and the sampling devices' shards are adopted);
-  otherwise (another device order, several processes) the leaves are first made whole as for
-  tensor = 1 and each device keeps its part. Every leaf comes back with exactly its target sharding.
+  lays the leaves out from the trainer's mesh onto a "cover" mesh: the trainer's devices in their
+  order (jit takes no other order, nor a subset), shaped (n / tensor, 1, tensor), whose tensor index
+  of each sampling device is its index on the sampling mesh; XLA then moves only the shards each
+  device needs, and the sampling devices' shards are adopted without a copy. With several
+  processes the cover spans every process's devices (the trainer's global mesh), so each host
+  receives exactly its chips' shards; the program must be the same in every process, so the
+  condition is checked for every process's sampling devices, taken at the local positions this
+  process's have (every process builds its sampling mesh alike, as `sampling_mesh` does). Where no
+  cover exists (another device order, a trainer mesh whose device order gives a sampling device
+  another tensor index) the leaves are first made whole as for tensor = 1 and each device keeps its
+  part. Every leaf comes back with exactly its target sharding. `placement_programs` returns the
+  compiled programs, for their memory per device and what each device receives
+  (tests/rollout/test_sampling_mesh_multiprocess.py: 2 processes, one program, no device receives a
+  whole leaf that `tensor` splits).
 
-Not yet (issue 37): with several processes each host still all-gathers whole copies over the
-global mesh (its chips then hold the full policy for a moment, not only the shards they need).
-Within one process, XLA's partitioner moves a leaf split over fsdp to a split over tensor by
-gathering it whole and slicing it (it logs "Involuntary full rematerialization" when it compiles
-the placement), so a chip briefly holds whole leaves, not only its shards.
+Not yet: XLA's partitioner moves a leaf split over fsdp on one dimension to a split over tensor on
+another by gathering it whole and slicing it (it logs "Involuntary full rematerialization" when it
+compiles the placement), so with such a trainer layout (e.g. a (1, n, 1) mesh) a chip briefly holds
+whole leaves in the program's temporaries. With the default rules `tensor` splits the same
+dimension for trainer and sampler: the 2-process test's placements from (2, 2, 2) and (1, 4, 2)
+hold the embedding and head (the largest leaves) only as shards, temporaries included.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import jax
@@ -108,36 +120,75 @@ def sampling_params(params, mesh: jax.sharding.Mesh, rules=None):
     over `tensor` as its logical axes ask (`rules`: the trainer's table, default
     `sharding.DEFAULT_RULES`; only its `tensor` targets count) and every other leaf replicated.
     Leaves already laid out so are returned as they are."""
-    if mesh.shape.get("tensor", 1) == 1:
-        leaves, treedef = jax.tree.flatten(params)
-        with _no_host_transfers():
-            return jax.tree.unflatten(treedef, _replicated(leaves, mesh))
-    targets = [NamedSharding(mesh, _tensor_spec(v, mesh, rules))
-               for v in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))]
     leaves, treedef = jax.tree.flatten(params)
-    if len(targets) != len(leaves):
-        raise TypeError("sampling_params: each nnx.Variable must hold one array")
+    plan = _plan(params, mesh, rules)
     out = list(leaves)
     with _no_host_transfers():
-        direct: dict = {}  # cover mesh -> leaves that one program lays out from the trainer's mesh
-        rest = []
-        for i, x in enumerate(leaves):
-            if x.sharding == targets[i]:
-                continue
-            if x.sharding.is_equivalent_to(targets[i], x.ndim):  # the right shards on another mesh
-                out[i] = _adopt(x, targets[i])
-                continue
-            cover = _cover(x.sharding, mesh)
-            (rest if cover is None else direct.setdefault(cover, [])).append(i)
-        for cover, idx in direct.items():
-            got = _gather(tuple(NamedSharding(cover, targets[i].spec) for i in idx))(tuple(leaves[i] for i in idx))
+        if plan.replicate is not None:
+            return jax.tree.unflatten(treedef, _replicated(leaves, mesh))
+        for i in plan.adopt:
+            out[i] = _adopt(leaves[i], plan.targets[i])
+        for cover, idx in plan.direct.items():
+            got = _gather(tuple(NamedSharding(cover, plan.targets[i].spec) for i in idx))(tuple(leaves[i] for i in idx))
             for i, x in zip(idx, got, strict=True):
-                out[i] = x if cover is mesh else _adopt(x, targets[i])
-        if rest:  # whole on every sampling device first, then each device keeps its part (no transfer)
-            whole = _replicated([leaves[i] for i in rest], mesh)
-            for i, x in zip(rest, _gather(tuple(targets[i] for i in rest))(tuple(whole)), strict=True):
+                out[i] = x if cover is mesh else _adopt(x, plan.targets[i])
+        if plan.rest:  # whole on every sampling device first, then each device keeps its part (no transfer)
+            whole = _replicated([leaves[i] for i in plan.rest], mesh)
+            for i, x in zip(plan.rest, _gather(tuple(plan.targets[i] for i in plan.rest))(tuple(whole)), strict=True):
                 out[i] = x
     return jax.tree.unflatten(treedef, out)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """How `sampling_params` moves each leaf (indices into the flat leaves)."""
+    targets: list  # NamedSharding per leaf on the sampling mesh
+    replicate: list | None = None  # tensor = 1: every leaf replicated (`_replicated`)
+    adopt: list = dataclasses.field(default_factory=list)  # the right shards already, on another mesh
+    direct: dict = dataclasses.field(default_factory=dict)  # cover mesh -> leaves one program lays out
+    rest: list = dataclasses.field(default_factory=list)  # made whole first, then sliced
+
+
+def _plan(params, mesh: jax.sharding.Mesh, rules) -> _Plan:
+    leaves = jax.tree.leaves(params)
+    if mesh.shape.get("tensor", 1) == 1:
+        return _Plan([NamedSharding(mesh, PartitionSpec())] * len(leaves), replicate=list(range(len(leaves))))
+    targets = [NamedSharding(mesh, _tensor_spec(v, mesh, rules))
+               for v in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))]
+    if len(targets) != len(leaves):
+        raise TypeError("sampling_params: each nnx.Variable must hold one array")
+    plan = _Plan(targets)
+    for i, x in enumerate(leaves):
+        if x.sharding == targets[i]:
+            continue
+        if x.sharding.is_equivalent_to(targets[i], x.ndim):  # the right shards on another mesh
+            plan.adopt.append(i)
+            continue
+        cover = _cover(x.sharding, mesh)
+        (plan.rest if cover is None else plan.direct.setdefault(cover, [])).append(i)
+    return plan
+
+
+def placement_programs(params, mesh: jax.sharding.Mesh, rules=None) -> list[jax.stages.Compiled]:
+    """The compiled programs `sampling_params(params, mesh, rules)` runs, in order (their memory per
+    device: `memory_analysis()`; what each device receives: `output_shardings`). Compiling them
+    compiles nothing twice: they are the placement's own jitted functions."""
+    leaves = jax.tree.leaves(params)
+    plan = _plan(params, mesh, rules)
+    out = []
+    for cover, idx in plan.direct.items():
+        outs = tuple(NamedSharding(cover, plan.targets[i].spec) for i in idx)
+        out.append(_gather(outs).lower(tuple(leaves[i] for i in idx)).compile())
+    whole = NamedSharding(mesh, PartitionSpec())
+    todo = plan.replicate if plan.replicate is not None else plan.rest
+    gather = [i for i in todo if not leaves[i].is_fully_replicated and not leaves[i].sharding.is_equivalent_to(whole, leaves[i].ndim)]
+    if gather:  # `_replicated`'s all-gather
+        outs = tuple(NamedSharding(leaves[i].sharding.mesh, PartitionSpec()) for i in gather)
+        out.append(_gather(outs).lower(tuple(leaves[i] for i in gather)).compile())
+    if plan.rest:
+        args = tuple(jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype, sharding=whole) for i in plan.rest)
+        out.append(_gather(tuple(plan.targets[i] for i in plan.rest)).lower(args).compile())
+    return out
 
 
 @contextlib.contextmanager
@@ -193,20 +244,43 @@ def _tensor_spec(leaf, mesh: jax.sharding.Mesh, rules) -> PartitionSpec:
 
 def _cover(src, mesh: jax.sharding.Mesh) -> jax.sharding.Mesh | None:
     """A mesh over the devices of `src`'s mesh in their order (what a jitted identity from `src` may
-    lay its output out on) where each of `mesh`'s devices has its tensor index in `mesh`: `mesh`
-    itself when the devices are the same; else (n / tensor, 1, tensor). None where there is none,
-    and with several processes (each would choose for its own devices, and the program must be the
-    same on all of them)."""
-    if not isinstance(src, NamedSharding) or jax.process_count() > 1:
+    lay its output out on: jit takes no other device order, nor a subset) where each of `mesh`'s
+    devices has its tensor index in `mesh`: `mesh` itself when the devices are the same; else
+    (n / tensor, 1, tensor). With several processes the program must be the same on all of them, so
+    the condition is checked for every process's sampling devices (`_sampling_devices`). None where
+    there is none."""
+    if not isinstance(src, NamedSharding):
         return None
     have, want = tuple(src.mesh.devices.flat), tuple(mesh.devices.flat)
     if have == want:
         return mesh
     t = mesh.shape["tensor"]
     at = {d: q for q, d in enumerate(have)}
-    if len(have) % t or any(d not in at or at[d] % t != p % t for p, d in enumerate(want)):
+    every = _sampling_devices(want)
+    if len(have) % t or every is None or any(d not in at or at[d] % t != p % t for w in every for p, d in enumerate(w)):
         return None
     return jax.sharding.Mesh(np.asarray(have).reshape(-1, 1, t), mesh.axis_names)
+
+
+def _sampling_devices(want: tuple) -> list[tuple] | None:
+    """Every process's sampling devices, in mesh order: `want` (this process's) alone with one
+    process; with several, each process's local devices at the positions `want` has among this
+    process's (every process builds its sampling mesh alike: `sampling_mesh` takes the first devices
+    of `jax.local_devices()`). None when `want` is not this process's own devices or a process has
+    too few."""
+    if jax.process_count() == 1:
+        return [want]
+    local = jax.local_devices()
+    if any(d not in local for d in want):
+        return None
+    pos = [local.index(d) for d in want]
+    every = []
+    for p in range(jax.process_count()):
+        theirs = jax.local_devices(process_index=p)
+        if max(pos) >= len(theirs):
+            return None
+        every.append(tuple(theirs[k] for k in pos))
+    return every
 
 
 def _adopt(x, target: NamedSharding):
