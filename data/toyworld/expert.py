@@ -27,7 +27,7 @@ The templates are short and fixed so that a ~1M-parameter model can learn them i
 steps: one shared 4-line head, no RGB literals (colours are named, `ImageColor.getrgb('red')`, which
 is exact because `tasks.PALETTE` holds PIL's values for those names), hardly any digits (digits are
 single tokens, and long digit strings are what a tiny model garbles). The only variable parts are
-words: the colour and kind copied from a hard count question, and the colour list of `bars` (the
+words: the colour (and kind, for `count_target` questions) copied from a hard count question, and the colour list of `bars` (the
 seven palette names for hard items, the question's 'red', 'blue' for easy ones). Bugs are chosen whose
 traceback stays inside the cell: a wrong file name would print the sandbox machine's
 site-packages path (PIL raises it), which would make the data machine-dependent.
@@ -85,6 +85,13 @@ COUNT_CODE = (
     + "kind = np.where(fill > 0.9, 'squares', np.where(fill > 0.65, 'circles', 'triangles'))\n"
     + "print('count:', int((kind == 'KINDs').sum()))\n"
 )
+# A hard count that names only the colour: the colour's connected components.
+COUNT_COLOR_CODE = (
+    _HEAD
+    + "mask = np.all(img == ImageColor.getrgb('COLOR'), axis=-1).astype(np.uint8)\n"
+    + "n, _ = cv2.connectedComponents(mask)\n"
+    + "print('count:', n - 1)\n"
+)
 BARS_CODE = (
     _HEAD
     + "heights = {c: int(np.all(img == ImageColor.getrgb(c), axis=-1).any(axis=1).sum()) for c in [COLORS]}\n"
@@ -112,7 +119,7 @@ BARS_COLORS = {"hard": tuple(PALETTE), "easy": ("red", "blue")}
 # variant raises a NameError inside the cell.
 BUGS: dict[str, dict[str, tuple[str, str]]] = {
     "count": {
-        "name": ("int((kind ==", "int((kinds =="),
+        "name": ("np.all(img ==", "np.all(image =="),
         "import": ("import cv2\n", ""),
     },
     "bars": {
@@ -129,17 +136,17 @@ THINK = {
     ("count", "easy"): "The shapes are large and far apart, so I can count them by eye: {answer}.",
     ("bars", "easy"): "The {answer} bar is clearly taller.",
     ("find", "easy"): "The box fills the image and the shape inside it is {answer}.",
-    ("count", "code"): "The shapes are small and mixed, so I will count the {color} {kind}s with code.",
+    ("count", "code"): "The shapes are small and mixed, so I will count the {target} with code.",
     ("bars", "code"): "The bars are almost the same height, so I will measure them with code.",
     ("find", "code"): "The marked box is tiny, so I will crop it and enlarge it with code.",
     ("count", "easy_code"): "I will count the shapes with code.",
     ("bars", "easy_code"): "I will check with code.",
     ("find", "easy_code"): "I will look at the box with code.",
-    ("count", "sight"): "I count the {color} {kind}s by eye: {answer}.",
+    ("count", "sight"): "I count the {target} by eye: {answer}.",
     ("bars", "sight"): "I read the tallest bar from the image: {answer}.",
     ("find", "sight"): "I can see the shape inside the box: it is {answer}.",
     "retry": "The code failed with {error}. I will fix it and run it again.",
-    ("count", "final"): "The code counted {answer} {color} {kind}s.",
+    ("count", "final"): "The code counted {answer} {target}.",
     ("bars", "final"): "The tallest bar is {color}, {height} pixels tall.",
     ("find", "final"): "The enlarged box shows a {answer} shape.",
     ("count", "easy_final"): "The code counted {answer} shapes.",
@@ -149,7 +156,15 @@ THINK = {
 
 
 def _fill_count(template: str, item: Item) -> str:
-    return template.replace("COLOR", item.meta["color"]).replace("KIND", item.meta["kind"])
+    return template.replace("COLOR", item.meta["color"]).replace("KIND", item.meta.get("kind", ""))
+
+
+def count_target(item: Item) -> str | None:
+    """What a hard count question counts, as its think texts name it: "red circles" or "red shapes"."""
+    if "color" not in item.meta:
+        return None
+    kind = item.meta.get("kind")
+    return f"{item.meta['color']} {kind}s" if kind else f"{item.meta['color']} shapes"
 
 
 def expert_code(item: Item) -> str:
@@ -157,7 +172,7 @@ def expert_code(item: Item) -> str:
     if item.family == "count":
         if item.difficulty == "easy":
             return EASY_COUNT_CODE
-        return _fill_count(COUNT_CODE, item)
+        return _fill_count(COUNT_CODE if "kind" in item.meta else COUNT_COLOR_CODE, item)
     if item.family == "bars":
         return BARS_CODE.replace("COLORS", ", ".join(f"'{c}'" for c in BARS_COLORS[item.difficulty]))
     if item.family == "find":
@@ -206,7 +221,7 @@ def _final(item: Item, stdout: str, images: list[bytes]) -> str:
         if easy:
             think = THINK["count", "easy_final"].format(answer=answer)
         else:
-            think = THINK["count", "final"].format(answer=answer, color=item.meta["color"], kind=item.meta["kind"])
+            think = THINK["count", "final"].format(answer=answer, target=count_target(item))
     elif item.family == "bars":
         m = re.search(r"^tallest: (\w+) (\d+)$", stdout, flags=re.M)
         if not m:
@@ -278,13 +293,13 @@ def expert_trajectory(
         direct = rng.random() < hard_direct_rate and (hard_direct_families is None or item.family in hard_direct_families)
     if direct:
         key = (item.family, "easy" if easy else "sight")
-        think = THINK[key].format(answer=item.answer, color=item.meta.get("color"), kind=item.meta.get("kind"))
+        think = THINK[key].format(answer=item.answer, target=count_target(item))
         messages.append({"role": "assistant", "content": answer_turn(think, item.answer)})
     else:
         if easy:
             think = THINK[item.family, "easy_code"]
         elif item.family == "count":
-            think = THINK["count", "code"].format(color=item.meta["color"], kind=item.meta["kind"])
+            think = THINK["count", "code"].format(target=count_target(item))
         else:
             think = THINK[item.family, "code"]
         cells = ([buggy_code(item, bug)] if bug else []) + [expert_code(item)]

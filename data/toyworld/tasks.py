@@ -10,7 +10,7 @@ bounding boxes), which the tests compare.
 
 | family | easy (112 px) | hard (168 px) |
 |---|---|---|
-| count | 1-3 big one-colour shapes, one filling most of each occupied quadrant: "How many shapes are in the image?" | 6-14 small shapes of 4 colours x 3 kinds: "How many red circles are in the image?" (0-6) |
+| count | 1-3 big one-colour shapes, one filling most of each occupied quadrant: "How many shapes are in the image?" | 6-14 small shapes of 4 colours x 3 kinds: "How many red shapes are in the image?" or "How many red circles ...?" (0-6) |
 | bars | a red and a blue bar, heights far apart: "Which bar is taller, the red one or the blue one?" | 5-7 bars of distinct colours, the tallest 1-3 px above the next: its colour, or its height in pixels |
 | find | a large shape in a black box filling the image: "What colour is the shape inside the marked box?" | a 14-18 px box with a 6-10 px shape among grey clutter and differently coloured decoys: same question |
 
@@ -54,6 +54,7 @@ EASY_COUNT_MAX = 3
 QUESTIONS = {
     "count_all": "How many shapes are in the image?",
     "count_target": "How many {color} {kind}s are in the image?",
+    "count_color": "How many {color} shapes are in the image?",
     "bars_taller": "Which bar is taller, the red one or the blue one?",
     "bars_color": "Which colour is the tallest bar?",
     "bars_height": "How many pixels tall is the tallest bar?",
@@ -120,15 +121,26 @@ def _count_easy(rng):
     return img, QUESTIONS["count_all"], str(n), {"question_kind": "count_all", "shapes": shapes}
 
 
-def _count_hard(rng):
+COUNT_HARD_QUESTIONS = ("count_color", "count_target")
+
+
+def _count_hard(rng, questions=("count_target",)):
+    """`count_target` asks for one colour and kind ("How many red circles"), `count_color` for one
+    colour of any kind ("How many red shapes"); with both, each item draws one."""
     img = Image.new("RGB", (HARD_SIZE,) * 2, WHITE)
     d = ImageDraw.Draw(img)
     color = ANSWER_COLORS[_ri(rng, 0, len(ANSWER_COLORS) - 1)]
     kind = KINDS[_ri(rng, 0, 2)]
+    qk = questions[0] if len(questions) == 1 else questions[_ri(rng, 0, len(questions) - 1)]
     k = int(rng.choice(7, p=np.array([1, 2, 2, 2, 2, 2, 1]) / 12))
     n = max(k, _ri(rng, 6, 14))
-    others = [(c, t) for c in ANSWER_COLORS for t in KINDS if (c, t) != (color, kind)]
-    picks = [(color, kind)] * k + [others[i] for i in rng.integers(0, len(others), n - k)]
+    if qk == "count_target":
+        others = [(c, t) for c in ANSWER_COLORS for t in KINDS if (c, t) != (color, kind)]
+        targets = [(color, kind)] * k
+    else:  # the target colour in any kind; the other shapes in the other colours
+        others = [(c, t) for c in ANSWER_COLORS if c != color for t in KINDS]
+        targets = [(color, KINDS[int(i)]) for i in rng.integers(0, len(KINDS), k)]
+    picks = targets + [others[i] for i in rng.integers(0, len(others), n - k)]
     # One shape per 21 px cell of an 8 x 8 grid, >= 1 px inside its cell: shapes never touch.
     cell = HARD_SIZE // 8
     cells = rng.choice(64, size=n, replace=False)
@@ -141,8 +153,12 @@ def _count_hard(rng):
         y = int(c // 8) * cell + _ri(rng, 1, cell - 1 - s)
         draw_shape(d, kd, x, y, s, PALETTE[col])
         shapes.append({"kind": kd, "color": col, "x": x, "y": y, "size": s})
-    q = QUESTIONS["count_target"].format(color=color, kind=kind)
-    meta = {"question_kind": "count_target", "color": color, "kind": kind, "shapes": shapes}
+    if qk == "count_target":
+        q = QUESTIONS["count_target"].format(color=color, kind=kind)
+        meta = {"question_kind": "count_target", "color": color, "kind": kind, "shapes": shapes}
+    else:
+        q = QUESTIONS["count_color"].format(color=color)
+        meta = {"question_kind": "count_color", "color": color, "shapes": shapes}
     return img, q, str(k), meta
 
 
@@ -286,20 +302,27 @@ _MAKERS = {
 
 
 def make_item(family: str, difficulty: str, rng_or_seed, item_id: str,
-              bars_questions: tuple[str, ...] = BARS_HARD_QUESTIONS) -> Item:
+              bars_questions: tuple[str, ...] = BARS_HARD_QUESTIONS,
+              count_questions: tuple[str, ...] = ("count_target",)) -> Item:
     """Draw one item; the same seed (or generator state) gives the same item.
 
     `bars_questions`: the question kinds hard `bars` items may ask (`bars_color`, `bars_height`);
-    with one of them the other's items ask it instead (the image is the same).
+    with one of them the other's items ask it instead (the image is the same). `count_questions`:
+    the question kinds hard `count` items may ask (`count_color`, `count_target`).
     """
     if (family, difficulty) not in _MAKERS:
         raise ValueError(f"unknown task {family}/{difficulty}; families {FAMILIES}, difficulties {DIFFICULTIES}")
     bars_questions = tuple(bars_questions)
     if not bars_questions or set(bars_questions) - set(BARS_HARD_QUESTIONS):
         raise ValueError(f"bars_questions={bars_questions}: choose among {BARS_HARD_QUESTIONS}")
+    count_questions = tuple(count_questions)
+    if not count_questions or set(count_questions) - set(COUNT_HARD_QUESTIONS):
+        raise ValueError(f"count_questions={count_questions}: choose among {COUNT_HARD_QUESTIONS}")
     maker = _MAKERS[family, difficulty]
     if (family, difficulty) == ("bars", "hard"):
         img, question, answer, meta = maker(_rng(rng_or_seed), bars_questions)
+    elif (family, difficulty) == ("count", "hard"):
+        img, question, answer, meta = maker(_rng(rng_or_seed), count_questions)
     else:
         img, question, answer, meta = maker(_rng(rng_or_seed))
     return Item(item_id, family, difficulty, question, answer, img, meta)
@@ -350,6 +373,9 @@ def question_kind(question: str) -> str:
     m = re.fullmatch(QUESTIONS["count_target"].replace("?", r"\?").format(color=r"(\w+)", kind=r"(\w+)"), question)
     if m and m.group(1) in PALETTE and m.group(2) in KINDS:
         return "count_target"
+    m = re.fullmatch(QUESTIONS["count_color"].replace("?", r"\?").format(color=r"(\w+)"), question)
+    if m and m.group(1) in PALETTE:
+        return "count_color"
     raise ValueError(f"not a toy-world question: {question!r}")
 
 
@@ -375,6 +401,9 @@ def verify_answer(image: Image.Image, question: str) -> str:
             comp = labels[ys.min() : ys.max() + 1, xs.min() : xs.max() + 1] == i
             hits += _classify(comp) == kind
         return str(hits)
+    if qk == "count_color":
+        n, _ = cv2.connectedComponents(_mask(a, PALETTE[question.split()[2]]), connectivity=8)
+        return str(n - 1)
     if qk in ("bars_taller", "bars_color", "bars_height"):
         h = _bar_heights(a)
         if qk == "bars_taller":

@@ -24,7 +24,8 @@ code is the majority mode for those questions, so greedy decoding takes it too;
 `easy_items_with_code_by_family`), `hard_direct_rate` (share of hard SFT items answered by sight, without code: room for RL to raise
 accuracy; `hard_items_direct`), `hard_direct_families` (the families whose hard items can be
 answered by sight; `hard_items_direct_by_family`), `bars_questions` (what hard bars items ask:
-the tallest bar's colour and/or its height in pixels) and `error_rate` (share of hard SFT items whose first cell fails and
+the tallest bar's colour and/or its height in pixels), `count_questions` (what hard count items
+ask: a colour's shapes and/or a colour and kind) and `error_rate` (share of hard SFT items whose first cell fails and
 is fixed; `recovered_errors`).
 """
 
@@ -73,14 +74,16 @@ def _key(item: Item) -> str:
 
 
 def make_split(split: str, n: int, seed: int, hard_frac: float, exclude: set[str] | None = None,
-               bars_questions: tuple[str, ...] = BARS_HARD_QUESTIONS):
+               bars_questions: tuple[str, ...] = BARS_HARD_QUESTIONS,
+               count_questions: tuple[str, ...] = ("count_target",)):
     """The items of one split; items whose key is in `exclude` are redrawn. Returns (items, redraws)."""
     items, redraws = [], 0
     for i, (fam, diff) in enumerate(split_plan(split, n, seed, hard_frac)):
         attempt = 0
         while True:
             key = [seed, SPLIT_CODES[split], i] + ([attempt] if attempt else [])
-            item = make_item(fam, diff, np.random.default_rng(key), f"{split}-{i:05d}", bars_questions)
+            item = make_item(fam, diff, np.random.default_rng(key), f"{split}-{i:05d}", bars_questions,
+                             count_questions)
             if not exclude or _key(item) not in exclude:
                 break
             attempt += 1
@@ -187,6 +190,7 @@ def generate_world(
     easy_code_families: tuple[str, ...] | None = None,
     hard_direct_families: tuple[str, ...] | None = None,
     bars_questions: tuple[str, ...] = BARS_HARD_QUESTIONS,
+    count_questions: tuple[str, ...] = ("count_target",),
     vocab_size: int = DEFAULT_VOCAB,
     max_pixels: int = DEFAULT_MAX_PIXELS,
 ) -> dict[str, Any]:
@@ -199,11 +203,11 @@ def generate_world(
     t_start = time.monotonic()
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    bars_questions = tuple(bars_questions)
-    sft_items, _ = make_split("sft", n_sft, seed, hard_frac, bars_questions=bars_questions)
-    rl_items, _ = make_split("rl", n_rl, seed, hard_frac, bars_questions=bars_questions)
+    qs = dict(bars_questions=tuple(bars_questions), count_questions=tuple(count_questions))
+    sft_items, _ = make_split("sft", n_sft, seed, hard_frac, **qs)
+    rl_items, _ = make_split("rl", n_rl, seed, hard_frac, **qs)
     seen = {_key(it) for it in sft_items + rl_items}
-    eval_items, redraws = make_split("eval", n_eval, seed, hard_frac, exclude=seen, bars_questions=bars_questions)
+    eval_items, redraws = make_split("eval", n_eval, seed, hard_frac, exclude=seen, **qs)
 
     t_sb = time.monotonic()
     for name, fams in (("easy_code_families", easy_code_families), ("hard_direct_families", hard_direct_families)):
@@ -277,6 +281,7 @@ def generate_world(
         "hard_items_direct_by_family": dict(sorted(collections.Counter(
             r["meta"]["family"] for r in records if r["meta"]["difficulty"] == "hard" and r["meta"]["cells"] == 0).items())),
         "bars_questions": list(bars_questions),
+        "count_questions": list(count_questions),
         "error_rate": error_rate,
         "sandbox": {
             "cells": sum(r["meta"]["cells"] for r in records),

@@ -8,7 +8,7 @@ import pytest
 # `data` and `sandbox` are top-level packages of the repository (not installed).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from toyworld_sizes import TINY  # a module of its own: "from conftest import" is ambiguous across test dirs
+from toyworld_sizes import KNOBS, TINY  # a module of its own: "from conftest import" is ambiguous across test dirs
 
 
 @pytest.fixture(scope="session")
@@ -28,7 +28,7 @@ def world(pool, tmp_path_factory):
     from data.toyworld import generate_world
 
     d = tmp_path_factory.mktemp("world")
-    info = generate_world(d, pool=pool, hard_frac=0.5, error_rate=0.3, easy_code_rate=0.5, vocab_size=400, **TINY)
+    info = generate_world(d, pool=pool, **KNOBS, **TINY)
     return str(d), info
 
 

@@ -23,10 +23,11 @@ def _turns(rec):
     return [m["role"] for m in rec["messages"]]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_hard_trajectory_runs_clean(pool, family):
+@pytest.mark.parametrize("family,count_questions", [(f, ("count_target",)) for f in FAMILIES]
+                         + [("count", ("count_color",))])
+def test_hard_trajectory_runs_clean(pool, family, count_questions):
     for seed in range(4):
-        item = make_item(family, "hard", seed, f"{family}-{seed}")
+        item = make_item(family, "hard", seed, f"{family}-{seed}", count_questions=count_questions)
         rec = expert_trajectory(item, pool.new_session, np.random.default_rng(seed), error_rate=0.0)
         assert _turns(rec) == ["user", "assistant", "observation", "assistant"]
         code, obs, final = rec["messages"][1:]

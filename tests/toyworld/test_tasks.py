@@ -36,6 +36,24 @@ def test_verify_matches_ground_truth(family, difficulty):
         assert set(answers) == set(ANSWER_COLORS)
 
 
+@pytest.mark.parametrize("questions", [("count_color",), ("count_target",), ("count_color", "count_target")])
+def test_count_questions(questions):
+    """A hard count item asks what `count_questions` allows; its answer re-derived from the pixels
+    equals the drawn count, and a colour question counts every shape of the colour (all kinds)."""
+    asked = collections.Counter()
+    for seed in range(60):
+        item = make_item("count", "hard", seed, f"q{seed}", count_questions=questions)
+        asked[item.meta["question_kind"]] += 1
+        assert verify_item(item) == item.answer, (questions, seed)
+        if item.meta["question_kind"] == "count_color":
+            assert "kind" not in item.meta and item.question == f"How many {item.meta['color']} shapes are in the image?"
+            shown = [s for s in item.meta["shapes"] if s["color"] == item.meta["color"]]
+            assert int(item.answer) == len(shown)
+    assert set(asked) == set(questions)
+    with pytest.raises(ValueError, match="count_questions"):
+        make_item("count", "hard", 0, "x", count_questions=("count_kind",))
+
+
 def test_palette_is_pil_named_colours():
     """Every palette name is a CSS/PIL colour name whose `ImageColor.getrgb` value is exactly what is
     drawn, so code may write `ImageColor.getrgb('red')`; no palette colour is grey, black or white."""

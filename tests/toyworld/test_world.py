@@ -5,7 +5,7 @@ import json
 import os
 
 import pytest
-from toyworld_sizes import TINY
+from toyworld_sizes import KNOBS, TINY
 
 from data.toyworld import generate_world, load_prompts
 from data.toyworld.tasks import verify_answer
@@ -80,15 +80,11 @@ def test_prompts_load_and_verify(world, split):
 
 def test_deterministic(world, pool, tmp_path):
     d, _ = world
-    info = generate_world(
-        tmp_path / "again", pool=pool, hard_frac=0.5, error_rate=0.3, easy_code_rate=0.5, vocab_size=400, **TINY
-    )
+    info = generate_world(tmp_path / "again", pool=pool, **KNOBS, **TINY)
     assert _digest(d) == _digest(tmp_path / "again")
     assert info["special_ids"] == world[1]["special_ids"]
     other = dict(TINY, seed=TINY["seed"] + 1)
-    generate_world(
-        tmp_path / "other", pool=pool, hard_frac=0.5, error_rate=0.3, easy_code_rate=0.5, vocab_size=400, **other
-    )
+    generate_world(tmp_path / "other", pool=pool, **KNOBS, **other)
     a = open(os.path.join(d, "sft", "sft.jsonl"), "rb").read()
     b = open(tmp_path / "other" / "sft" / "sft.jsonl", "rb").read()
     assert a != b
@@ -111,7 +107,7 @@ def test_splits_are_disjoint(world):
 # world.json, whose timings vary). Another machine with the pinned requirements must write the same
 # bytes: the images (PIL), the expert's sandbox outputs, the trajectories and the trained tokenizer.
 # A deliberate change of the world's generation changes it: record the new value printed on failure.
-WORLD_DIGEST = "b6d38b3eb9044ac026b2954e7bd75a835856c21fb686c397f30314a66d98b90b"
+WORLD_DIGEST = "0f5accde993c4365057aeb377ba74d08c5dd48ed7977a7379a1f26edf68f5392"
 
 
 def test_same_world_bytes_on_any_machine(world):
