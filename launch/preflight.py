@@ -3,6 +3,7 @@ r"""Compile a run's jitted steps for a TPU slice on this (CPU) machine: memory a
   python -m launch.preflight --config=configs/sft.py:qwen25vl_7b --config.grad_accum=2 --topology=v5p:4x4x4
   python -m launch.preflight --config=configs/grpo.py:qwen25vl_7b --topology=v5p:4x4x4
   python -m launch.preflight --config=configs/grpo.py:qwen25vl_7b --topology=v5p:4x4x4 --only=rollout
+  python -m launch.preflight --config=configs/grpo.py:qwen25vl_7b --topology=v5e:16x16 --only=rollout --rollout_tensor=4
   python -m launch.preflight --config=configs/grpo.py:tiny --topology=v5e:2x2 --all_buckets   # every bucket's steps
   python -m launch.preflight --config=configs/sft.py:qwen25vl_7b --config.grad_accum=2 --extrapolate_depth --cost_model
 
@@ -12,7 +13,11 @@ With attention "auto" (the configs' default) the steps use the Pallas flash kern
 
 A GRPO config also compiles the rollout engine's jitted functions (prefill at each prompt bucket,
 decode chunk, append at each observation bucket, vision) for ONE host of the slice (4 chips per
-host) at its share of the rollout batch (`codedance_jax/preflight/rollout.py`).
+host) at its share of the rollout batch, on the host's sampling mesh (`--rollout_chips` chips as
+data x `--rollout_tensor`; default the config's rollout.mesh_data x mesh_tensor), with the
+trainer's state counted beside the sampler's copy; it then prints per-chip memory, the cost
+model's decode tokens/s per chip and the weight reshard's bytes and time
+(`codedance_jax/preflight/rollout.py`).
 
 Needs libtpu (`pip install -r requirements-tpu.txt`, best in a venv of its own). Nothing runs on a
 TPU and nothing reaches a network. Exit 0: everything fits; 2: something does not (its largest
@@ -39,8 +44,11 @@ _DEPTH = flags.DEFINE_bool("extrapolate_depth", False, "compile at 1-2 layers an
                            "model's depth (for machines where compiling the whole model takes too long)")
 _ONLY = flags.DEFINE_enum("only", "", ["", "train", "rollout"], "GRPO: compile only the training steps or only the "
                           "rollout engine's functions (default: both)")
-_ROLLOUT_CHIPS = flags.DEFINE_integer("rollout_chips", 0, "GRPO: chips of one host the rollout's rows are split "
-                                      "over (0 = all of the host's chips; 1 = one chip holds the host's batch)")
+_ROLLOUT_CHIPS = flags.DEFINE_integer("rollout_chips", 0, "GRPO: chips of one host the rollout runs on, data x "
+                                      "tensor (0 = config.rollout.mesh_data x mesh_tensor, mesh_data -1 = all of the "
+                                      "host's chips; 1 = one chip holds the host's batch and the whole policy)")
+_ROLLOUT_TENSOR = flags.DEFINE_integer("rollout_tensor", 0, "GRPO: the rollout's weights split over groups of this "
+                                       "many chips (KV cache by KV heads; 0 = config.rollout.mesh_tensor)")
 _COST = flags.DEFINE_bool("cost_model", False, "compile the training steps as one micro-batch with the output layer "
                           "in one chunk, so that XLA's cost analysis (which counts a loop body once) covers the whole "
                           "step: use its MFU column; its memory is not the run's")
@@ -79,7 +87,7 @@ def main(argv):
             return plans.plan_from_config(config, _TOPOLOGY.value, rows_per_chip=_ROWS.value, bucket=pick,
                                          empty_batch=lambda bucket, vcfg: collate([], bucket, pad_id=0, vision_cfg=vcfg),
                                          depth=depth, only=only, rollout_chips=_ROLLOUT_CHIPS.value,
-                                         cost_model=_COST.value)
+                                         rollout_tensor=_ROLLOUT_TENSOR.value, cost_model=_COST.value)
 
         try:
             if _DEPTH.value:
@@ -100,10 +108,16 @@ def main(argv):
         print(f"the whole update plan: {len(picks)} buckets {[tuple(b) for b in buckets]}")
     print("\n".join(dict.fromkeys(x for d in described for x in d.split("\n"))))
     print(pf.format_table(reports, _TOPOLOGY.value))
+    summary = None
+    if plan.rollout_copies is not None:
+        from codedance_jax.preflight import rollout as preflight_rollout
+
+        summary = preflight_rollout.summary(plan.rollout_shape, plan.rollout_copies, reports, plan.chip)
+        print(preflight_rollout.format_summary(summary))
     if _JSON.value:
         with open(_JSON.value, "w") as f:
-            json.dump({"topology": _TOPOLOGY.value, "plan": "\n".join(described), "reports": [r.as_dict() for r in reports]},
-                      f, indent=1)
+            json.dump({"topology": _TOPOLOGY.value, "plan": "\n".join(described), "reports": [r.as_dict() for r in reports],
+                       "rollout_summary": summary}, f, indent=1)
     bad = [r for r in reports if not r.fits]
     if bad:
         print(f"preflight: does not fit {_TOPOLOGY.value}: " + ", ".join(

@@ -134,7 +134,8 @@ def test_grpo_rollout_functions_compile_for_one_host_with_rows_split_over_its_ch
     plan = _plan("v5e:2x2", config_file="configs/grpo.py", only="rollout", rollout__prompt_buckets=(128,),
                  rollout__obs_buckets=(64,))
     # One host of 4 chips: 4 prompts x 4 = 16 rows, 4 per chip; the prefill runs one row per prompt (padded to 8).
-    assert "1 host(s) x 4 chips" in plan.rollout and "16 rows (8 prefill rows), 4 rows per chip" in plan.rollout
+    assert "1 host(s) x 4 chips" in plan.rollout
+    assert "16 rows (8 prefill rows), 4 rows per data slice over a sampling mesh data=4 x tensor=1" in plan.rollout
     names = [e.name for e in plan.entries]
     assert names[:5] == ["rollout.prefill@128", "rollout.share_prompts", "rollout.decode_chunk x16", "rollout.append@64",
                          "rollout.compact_cache"]
@@ -176,3 +177,96 @@ def test_flash_attention_kernel_runs_per_chip_and_the_cost_model_variant_counts_
     (cost,) = preflight_plan_compile(cost_plan)
     assert cost.uncounted_seconds > 0  # the kernel's backward, which XLA does not cost
     assert not cost.loops_undercounted and cost.xla_flops >= cost.model_flops, (cost.xla_flops, cost.model_flops)
+
+
+def _cpu_mesh(data, fsdp, tensor):
+    import jax
+
+    from codedance_jax import sharding
+
+    return sharding.make_mesh(data, fsdp, tensor, devices=jax.devices("cpu")[: data * fsdp * tensor])
+
+
+def test_reshard_bytes_are_what_each_chip_lacks_of_its_sampling_shard():
+    """Trainer rows split over fsdp=4 -> sampler columns split over tensor=2 on the same 4 devices:
+    each device holds 2x6 of an [8, 6] float32 leaf and needs 8x3, of which its own rows give 2x3."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from codedance_jax.preflight import rollout as pr
+
+    trainer, sampler = _cpu_mesh(1, 4, 1), _cpu_mesh(2, 1, 2)
+    src = NamedSharding(trainer, P("fsdp", None))
+    need, whole = pr.reshard_bytes([((8, 6), 4, src, NamedSharding(sampler, P(None, "tensor")))])
+    assert set(need.values()) == {(8 * 3 - 2 * 3) * 4} and set(whole.values()) == {(8 * 6 - 2 * 6) * 4}
+    # Replicated on the sampler (tensor = 1): every device lacks the 6 rows it does not hold.
+    need, _ = pr.reshard_bytes([((8, 6), 4, src, NamedSharding(_cpu_mesh(4, 1, 1), P()))])
+    assert set(need.values()) == {(8 - 2) * 6 * 4}
+    # Already in place: nothing moves; and the bytes add up over leaves.
+    need, _ = pr.reshard_bytes([((8, 6), 4, src, src), ((8, 6), 2, src, src)])
+    assert set(need.values()) == {0}
+
+
+def test_tensor_split_halves_the_samplers_weights_per_chip():
+    """The sampler's copy on (data 2, tensor 2) holds about half of the policy per chip: every
+    large matrix (embedding, output layer, attention, MLP) is split; norms and biases stay whole."""
+    from codedance_jax.model.config import ModelConfig
+    from codedance_jax.preflight import rollout as pr
+    from codedance_jax.preflight import topology
+    from codedance_jax.train import state as st
+
+    _, params = st.abstract_params(ModelConfig.tiny())
+    one = pr.sampler_param_shardings(params, _cpu_mesh(4, 1, 1))
+    two = pr.sampler_param_shardings(params, _cpu_mesh(2, 1, 2))
+    values = [v.get_value() for v in jax_leaves(params)]
+    b1 = pr.per_chip_bytes(topology.abstract(values, jax_leaves(one)))
+    b2 = pr.per_chip_bytes(topology.abstract(values, jax_leaves(two)))
+    total = sum(x.size * x.dtype.itemsize for x in values)
+    assert b1 == total  # tensor = 1: the whole policy on every chip
+    assert 0.5 * total <= b2 <= 0.52 * total, (b2, total)
+    assert all(set(s.spec) <= {None, "tensor"} for s in jax_leaves(two))  # never fsdp, never data
+
+
+def jax_leaves(tree):
+    import jax
+    from flax import nnx
+
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+@needs_libtpu
+def test_sampling_mesh_tensor_2_halves_weights_keeps_cache_and_counts_the_trainer_copy():
+    """One host of v5e 2x2, tiny preset: on data=2 x tensor=2 the sampler's weights per chip halve
+    against data=4 x tensor=1, the KV cache per chip stays (rows over 2, KV heads over 2), the
+    trainer's state is held beside every call (both copies), and the reshard moves what each chip lacks."""
+    from codedance_jax.preflight import rollout as pr
+
+    kw = dict(config_file="configs/grpo.py", only="rollout", rollout__prompt_buckets=(128,),
+              rollout__obs_buckets=(64,))
+    p1, p2 = _plan("v5e:2x2", **kw, rollout__mesh_tensor=1), _plan("v5e:2x2", **kw, rollout__mesh_tensor=2)
+    assert "data=4 x tensor=1" in p1.rollout and "data=2 x tensor=2" in p2.rollout
+    c1, c2 = p1.rollout_copies, p2.rollout_copies
+    assert 0.5 * c1.sampler_bytes <= c2.sampler_bytes <= 0.52 * c1.sampler_bytes, (c1, c2)
+    # keys and values: the same share per chip; valid / next_pos are split by rows only (data 4 -> 2), a few KiB
+    assert 0 < c1.cache_bytes <= c2.cache_bytes <= 1.01 * c1.cache_bytes
+    assert c1.trainer_bytes == c2.trainer_bytes > c1.trainer_param_bytes
+    # fsdp=4 trainer: tensor=1 lacks 3/4 of each leaf; tensor=2 lacks its half less what its quarter covers.
+    assert c1.reshard_bytes == c1.reshard_whole_bytes and c2.reshard_bytes < c2.reshard_whole_bytes
+    assert c2.reshard_seconds == c2.reshard_bytes / 200e9  # v5e: 1,600 Gbps into a chip
+    (d1,), (d2,) = ([e for e in p.entries if e.name.startswith("rollout.decode_chunk")] for p in (p1, p2))
+    assert d1.resident_bytes == c1.trainer_bytes and d2.resident_bytes == c2.trainer_bytes
+    r1, r2 = (preflight_plan_compile(_only(p, d)) for p, d in ((p1, d1), (p2, d2)))
+    drop = c1.sampler_bytes - c2.sampler_bytes
+    # The compiled decode's arguments fall by the weights' half (logits and row inputs: data 4 -> 2, small).
+    assert abs((r1[0].argument_bytes - r2[0].argument_bytes) - drop) < 0.1 * drop, (r1[0].argument_bytes,
+                                                                                   r2[0].argument_bytes, drop)
+    row = pr.summary(p2.rollout_shape, c2, r2, p2.chip)
+    assert row["peak_bytes"] == r2[0].total_bytes == (row["sampler_bytes"] + row["cache_bytes"] + row["trainer_bytes"]
+                                                     + row["other_bytes"])
+    assert row["decode_tokens_per_s_per_chip"] == 16 / 4 / r2[0].seconds and row["within_limit"]
+
+
+def _only(plan, entry):
+    import dataclasses
+
+    return dataclasses.replace(plan, entries=[entry])

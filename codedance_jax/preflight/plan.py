@@ -52,6 +52,8 @@ class Plan:
     bucket: tuple
     entries: list[Entry]
     rollout: str = ""  # how the rollout functions were placed (`preflight_rollout.RolloutShape.describe`)
+    rollout_shape: preflight_rollout.RolloutShape | None = None
+    rollout_copies: preflight_rollout.WeightCopies | None = None  # at the model's full depth
 
     def describe(self) -> str:
         per_chip = self.rows / (self.mesh_shape["data"] * self.mesh_shape["fsdp"] * self.grad_accum)
@@ -123,12 +125,15 @@ def with_shardings(shapes: dict, mesh, rules=None) -> tuple[dict, dict]:
 
 def plan_from_config(config, topology: str, *, empty_batch, rows_per_chip: int = 0, bucket: int = -1,
                      devices=None, depth: tuple[int, int] | None = None, only: str = "",
-                     rollout_chips: int = 0, cost_model: bool = False) -> Plan:
+                     rollout_chips: int = 0, rollout_tensor: int = 0, cost_model: bool = False) -> Plan:
     """The Plan of an SFT (configs/sft.py) or GRPO (configs/grpo.py) config on `topology`.
 
-    A GRPO plan also holds the rollout engine's functions at one host's shapes
-    (`preflight_rollout`; `rollout_chips`: chips of a host its rows are split over, 0 = all of
-    them). `only`: "train" (the training steps) or "rollout" (the rollout functions); "" = both.
+    A GRPO plan also holds the rollout engine's functions at one host's shapes on its sampling
+    mesh (`preflight_rollout`; `rollout_chips`: chips of a host the rollout uses, data x tensor;
+    `rollout_tensor`: the weights split over groups of that many; 0 = `config.rollout.mesh_data` /
+    `mesh_tensor`), with the trainer's state counted beside it, and the weight reshard's size at
+    the model's full depth (`Plan.rollout_copies`). `only`: "train" (the training steps) or
+    "rollout" (the rollout functions); "" = both.
 
     cost_model: the training steps as one micro-batch with the output layer in one chunk (no loop),
     for XLA's cost analysis, which counts a loop body once: the micro-batch scan and the
@@ -141,6 +146,7 @@ def plan_from_config(config, topology: str, *, empty_batch, rows_per_chip: int =
     mesh = pf.topology_mesh(devices, config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     rules = tuple(tuple(r) for r in config.sharding_rules) if config.sharding_rules else None
     cfg, note = model_config(config)
+    full_cfg = cfg
     if depth is not None:
         cfg = with_depth(cfg, *depth)
     kind = "grpo" if "prompts_per_step" in config else "sft"
@@ -153,17 +159,28 @@ def plan_from_config(config, topology: str, *, empty_batch, rows_per_chip: int =
         rows = rows_per_chip * shards * accum
     buckets = config.buckets if kind == "grpo" else config.data.buckets
     bk = tuple(buckets[bucket])
-    entries, rollout = [], ""
+    entries, rollout, shape, copies = [], "", None, None
     if kind == "grpo" and only != "train":
-        shape, calls = preflight_rollout.rollout_calls(config, cfg, devices, rollout_chips)
-        rollout = shape.describe()
+        # The trainer's state stays on every chip while the host rolls out (both copies counted).
+        tx, _ = optim.make_optimizer(config.optim, config.total_steps)
+        trainer = abstract_train_state(cfg, tx, mesh, rules)[1]
+        host = None  # compile a host's programs on a one-host slice where libtpu wants whole slices (v5e)
+        if chip.host_topology and len(devices) > preflight_rollout.CHIPS_PER_HOST:
+            host = pf.topology_devices(f"{chip.name}:{chip.host_topology}")
+        shape, calls = preflight_rollout.rollout_calls(config, cfg, devices, rollout_chips, rollout_tensor,
+                                                       trainer_bytes=preflight_rollout.per_chip_bytes(trainer),
+                                                       host=host)
+        full = trainer if full_cfg is cfg else abstract_train_state(full_cfg, tx, mesh, rules)[1]
+        copies = preflight_rollout.weight_copies(config, full_cfg, devices, shape, full, chip)
+        rollout = shape.describe() + (f"; compiled on a one-host {chip.name}:{chip.host_topology} slice (libtpu "
+                                      "compiles a v5e program only over a whole slice)" if host else "")
         for i, c in enumerate(calls):  # the preset's note (e.g. toy -> tiny) once, on the first row
             why = "; ".join(x for x in (c.note, note if i == 0 else "") if x)
             entries.append(Entry(c.name, c.jitted, c.args, c.model_flops, why, c.kwargs, shape.rollout_chips,
                                  c.resident_bytes))
     if only == "rollout":
         return Plan(kind, topology, chip, len(devices), dict(mesh.shape), config.model, rows, accum, bk, entries,
-                    rollout)
+                    rollout, shape, copies)
     if rows % (shards * accum):
         raise ValueError(f"global batch {rows} rows does not split into mesh data*fsdp={shards} x grad_accum={accum}; "
                          f"set --config.grad_accum to a divisor of {rows // shards if rows >= shards else rows} or "
@@ -204,7 +221,7 @@ def plan_from_config(config, topology: str, *, empty_batch, rows_per_chip: int =
         train_entries.append(Entry("grpo.train_step", step, (state, batch, key), train_flops, note,
                                    uncounted_flops=bwd_kernel))
     return Plan(kind, topology, chip, len(devices), dict(mesh.shape), config.model, rows, accum, bk,
-                train_entries + entries, rollout)
+                train_entries + entries, rollout, shape, copies)
 
 
 def _full_blocks(v) -> int:

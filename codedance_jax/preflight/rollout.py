@@ -5,10 +5,21 @@ each host rolls out its share of the prompts with its own `RolloutEngine` (SPEC:
 host-local; only the update is global). So the rollout functions are compiled for ONE host:
 `hosts = chips / CHIPS_PER_HOST` (4 chips per TPU VM host on v4, v5p, v5e and v6e multi-host
 slices; a slice of fewer chips is one host), rows per host = the host's prompts x group_size
-rounded up to `rollout.batch_multiple`, as `RolloutEngine.rollout` pads them. The host's rows are
-split over a `data` mesh of `rollout_chips` of its chips with the parameters replicated, which is
-`RolloutEngine(mesh=)`'s placement (`sharding.row_sharding` for the cache, logits and chunk
-inputs); `rollout_chips=1` is one chip holding the whole host's batch.
+rounded up to `rollout.batch_multiple`, as `RolloutEngine.rollout` pads them. The host's rows run
+on its sampling mesh (`rollout/placement.py`): `rollout_chips` of its chips as data x tensor, rows
+split over `data`, the policy's weights split over `tensor` as `placement.sampling_params` places
+them (attention heads, MLP columns, vocabulary; the trainer's rules with only their `tensor`
+targets; replicated when tensor = 1), the KV cache split by KV heads over `tensor`
+(`device_batch.RowPlacement.layout`: `sharding.kv_sharding`; logits and chunk inputs by rows).
+`rollout_chips=1` is one chip holding the whole host's batch and the whole policy (the layout of a
+run without a sampling mesh).
+
+Both copies of the weights are counted: while the host rolls out, the trainer's state (its
+parameters and optimizer moments, fsdp/tensor-split over the slice's mesh) stays on every chip, so
+each function's `resident_bytes` includes the chip's share of it (`WeightCopies`). The weight
+reshard (trainer layout -> sampling layout) is sized exactly from the two shardings' index maps:
+the bytes each of the host's chips must receive that it does not already hold (`reshard_bytes`),
+and their time at the chip's ICI bandwidth (`topology.Chip.ici_bytes_per_s`).
 
 The functions are the engine's own jitted ones, called as the engine calls them:
   prefill   `generate.extend_jit` (last_only) at each prompt bucket, on the fresh cache of the
@@ -33,6 +44,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from codedance_jax import sharding
@@ -40,6 +52,7 @@ from codedance_jax.model import generate
 from codedance_jax.model.config import ModelConfig
 from codedance_jax.preflight import topology as pf
 from codedance_jax.rollout.config import RolloutConfig
+from codedance_jax.rollout.device_batch import RowPlacement
 from codedance_jax.rollout.sampler import Sampler, SamplingConfig, StopTable
 from codedance_jax.rollout.shapes import rollout_plan
 from codedance_jax.train import flops
@@ -69,12 +82,21 @@ class RolloutShape:
     plan_programs: int = 0  # programs in the run's rollout shape plan (`rollout/shapes.py`)
     obs_image: tuple[int, int] = (0, 0)  # (units, windows) of one observation image's vision call
     prompt_image: tuple[int, int] = (0, 0)  # of one prompt image's
+    tensor: int = 1  # the sampling mesh's tensor axis (weights and KV heads split over it)
+
+    @property
+    def data(self) -> int:
+        """The sampling mesh's data axis: slices of `tensor` chips, each with its share of the rows."""
+        return self.rollout_chips // self.tensor
 
     def describe(self) -> str:
+        weights = (f"weights split over tensor={self.tensor} (KV cache by KV heads)" if self.tensor > 1
+                   else "parameters replicated")
         return (f"rollout: {self.hosts} host(s) x {self.chips_per_host} chips; per host {self.prompts_per_host} "
                 f"prompts x {self.group_size} = {self.rows} rows ({self.prompt_rows} prefill rows), "
-                f"{self.rows // self.rollout_chips} rows per chip over a data mesh of {self.rollout_chips} chip(s), "
-                f"parameters replicated; cache {self.cache_slots} slots; vision of the shape plan: one call per "
+                f"{self.rows // self.data} rows per data slice over a sampling mesh data={self.data} x "
+                f"tensor={self.tensor} ({self.rollout_chips} chip(s)), {weights}; cache {self.cache_slots} slots; "
+                f"vision of the shape plan: one call per "
                 f"image ({self.prompt_image[0]} units for a prompt image, {self.obs_image[0]} for an observation's) "
                 f"into buffers of {self.prefill_units} (prefill) and {self.vision_units} (append, "
                 f"{self.vision_images} image(s)) units; the plan has {self.plan_programs} rollout programs, of which "
@@ -92,15 +114,30 @@ class RolloutCall:
     resident_bytes: int = 0  # per chip: what the engine holds during the call besides its arguments
 
 
-def rollout_shape(config, rcfg: RolloutConfig, mcfg: ModelConfig, chips: int, rollout_chips: int = 0) -> RolloutShape:
+def sampling_layout(config, per_host: int, rollout_chips: int = 0, tensor: int = 0) -> tuple[int, int]:
+    """(chips, tensor) of one host's sampling mesh: `tensor` (0: `config.rollout.mesh_tensor`) and
+    `rollout_chips` = data x tensor (0: `config.rollout.mesh_data` x tensor, mesh_data -1 = all the
+    host's chips, as `placement.sampling_mesh` reads them)."""
+    r = config.rollout
+    tensor = int(tensor or r.get("mesh_tensor", 1))
+    if not rollout_chips:
+        data = int(r.get("mesh_data", -1))
+        rollout_chips = per_host if data == -1 else data * tensor
+    if tensor < 1 or rollout_chips > per_host or rollout_chips % tensor:
+        raise ValueError(f"--rollout_chips={rollout_chips} --rollout_tensor={tensor}: a host has {per_host} chips, "
+                         "and the rollout's chips must be whole groups of rollout_tensor of them")
+    return rollout_chips, tensor
+
+
+def rollout_shape(config, rcfg: RolloutConfig, mcfg: ModelConfig, chips: int, rollout_chips: int = 0,
+                  tensor: int = 0) -> RolloutShape:
     per_host = min(CHIPS_PER_HOST, chips)
     hosts = chips // per_host
-    rollout_chips = rollout_chips or per_host
-    if rollout_chips > per_host:
-        raise ValueError(f"--rollout_chips={rollout_chips}: a host has {per_host} chips")
-    if rcfg.batch_multiple % rollout_chips:
-        raise ValueError(f"rollout.batch_multiple={rcfg.batch_multiple} is not a multiple of the rollout's "
-                         f"{rollout_chips} chips (RolloutEngine(mesh=) splits the rows over them)")
+    rollout_chips, tensor = sampling_layout(config, per_host, rollout_chips, tensor)
+    data = rollout_chips // tensor
+    if rcfg.batch_multiple % data:
+        raise ValueError(f"rollout.batch_multiple={rcfg.batch_multiple} is not a multiple of the sampling mesh's "
+                         f"{data} data slices (RolloutEngine(mesh=) splits the rows over them)")
     prompts = -(-int(config.prompts_per_step) // hosts)
     g = int(config.group_size)
     plan = rollout_plan(rcfg, mcfg, rows=prompts * g, prompts=prompts, prompt_max_pixels=prompt_max_pixels(config))
@@ -109,7 +146,7 @@ def rollout_shape(config, rcfg: RolloutConfig, mcfg: ModelConfig, chips: int, ro
     images = units // max(1, plan.obs_image[0])
     return RolloutShape(hosts, per_host, rollout_chips, prompts, g, plan.rows, plan.prompt_rows, plan.cache_sizes[-1],
                         images, units, windows, p_units, p_windows, len(plan.programs()), plan.obs_image,
-                        plan.prompt_image)
+                        plan.prompt_image, tensor)
 
 
 def prompt_max_pixels(config) -> int:
@@ -133,12 +170,138 @@ def _abstract(tree, sharding_of):
     return jax.tree.map(one, tree)
 
 
-def rollout_calls(config, mcfg: ModelConfig, devices, rollout_chips: int = 0) -> tuple[RolloutShape, list[RolloutCall]]:
-    """The engine's jitted functions with abstract arguments on one host's mesh (module docstring)."""
+def host_devices(devices, per_host: int) -> list:
+    """The first host's chips of a slice: the devices of `devices[0]`'s process (compile-only
+    topologies know which chips share a host), in the slice's order; else the first `per_host`."""
+    devices = list(devices)
+    first = getattr(devices[0], "process_index", None)
+    mine = [d for d in devices if getattr(d, "process_index", None) == first]
+    return mine if len(mine) == per_host else devices[:per_host]
+
+
+def host_mesh(devices, shape: RolloutShape) -> jax.sharding.Mesh:
+    """One host's sampling mesh, as `placement.sampling_mesh` builds it from the host's devices:
+    (data, 1, tensor) over the first data x tensor of them, tensor groups neighbouring devices."""
+    local = host_devices(devices, shape.chips_per_host)
+    return sharding.make_mesh(shape.data, 1, shape.tensor, devices=local[: shape.rollout_chips])
+
+
+def sampler_param_shardings(params, mesh: jax.sharding.Mesh, rules=None):
+    """The sampler's copy's NamedSharding per `nnx.Variable` of `params` (abstract or real), as
+    `placement.sampling_params` places it: the logical axes through the trainer's rules with every
+    target but `tensor` removed (no fsdp, no data split of weights), a dimension that `tensor` does
+    not divide replicated; replicated when the mesh's tensor axis is 1."""
+    table = []
+    for name, target in sharding.DEFAULT_RULES if rules is None else rules:
+        targets = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+        table.append((name, "tensor" if "tensor" in targets else None))
+
+    def one(v):
+        axes = v.get_metadata().get("out_sharding") if isinstance(v, nnx.Variable) else None
+        if not axes or mesh.shape.get("tensor", 1) == 1:
+            return NamedSharding(mesh, PartitionSpec())
+        return sharding.named_sharding(mesh, axes, tuple(table), v.shape)
+
+    return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _sampler_model(mcfg: ModelConfig, mesh, rules):
+    """The policy as the engine gets it on `mesh` (param dtype: the trainer's arrays, placed)."""
+    mdef, params = st.abstract_params(mcfg)
+    shardings = sampler_param_shardings(params, mesh, rules)
+    values = jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, params,
+                          is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return mdef.model(pf.abstract(values, shardings))
+
+
+def _cache_layout(mesh, tree):
+    """The engine's layout of a batch's arrays (`RowPlacement.layout`: rows over data, KV heads over
+    tensor); a one-chip mesh holds them whole."""
+    if mesh.devices.size == 1:
+        return jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), tree)
+    return RowPlacement(mesh).layout(tree)
+
+
+def _slices(index, shape) -> list[tuple[int, int]]:
+    return [sl.indices(n)[:2] for sl, n in zip(index, shape, strict=True)] if index else [(0, n) for n in shape]
+
+
+def _volume(bounds) -> int:
+    return int(np.prod([max(0, b - a) for a, b in bounds])) if bounds else 1
+
+
+def reshard_bytes(leaves) -> tuple[dict, dict]:
+    """Bytes each destination device must receive to hold its shard of every leaf.
+
+    `leaves`: (shape, itemsize, source NamedSharding, destination NamedSharding) per array, both
+    over the same devices (the slice's). Returns ({device: bytes received when each device gets
+    exactly the part of its destination shard that its own source shard does not hold},
+    {device: bytes received when the whole array is first gathered to it, as a replicated copy
+    would be: the array less its own source shard}). Pure index arithmetic: nothing is allocated."""
+    need: dict = {}
+    whole: dict = {}
+    for shape, itemsize, src, dst in leaves:
+        shape = tuple(shape)
+        have = src.devices_indices_map(shape)
+        full = _volume([(0, n) for n in shape])
+        for dev, idx in dst.devices_indices_map(shape).items():
+            want = _slices(idx, shape)
+            own = _slices(have[dev], shape) if dev in have else [(0, 0)] * len(shape)
+            overlap = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(want, own, strict=True)]
+            need[dev] = need.get(dev, 0) + (_volume(want) - _volume(overlap)) * itemsize
+            whole[dev] = whole.get(dev, 0) + (full - _volume(own)) * itemsize
+    return need, whole
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightCopies:
+    """Per chip of the host's sampling mesh, at the model's full depth: the two copies of the
+    weights during a rollout, the KV cache, and the reshard between them."""
+
+    sampler_bytes: int  # the sampler's copy of the policy (its shard on this chip)
+    trainer_bytes: int  # the trainer's state: parameters + optimizer moments (its shard on this chip)
+    trainer_param_bytes: int  # of which the parameters
+    cache_bytes: int  # the batch's KV cache (its shard)
+    reshard_bytes: int  # received by the busiest chip: its sampler shard less what its trainer shard holds
+    reshard_whole_bytes: int  # received by the busiest chip when whole leaves are gathered first
+    ici_bytes_per_s: float  # one direction, per chip (`topology.Chip`); 0 = not known
+
+    @property
+    def reshard_seconds(self) -> float:
+        return self.reshard_bytes / self.ici_bytes_per_s if self.ici_bytes_per_s else 0.0
+
+    @property
+    def reshard_whole_seconds(self) -> float:
+        return self.reshard_whole_bytes / self.ici_bytes_per_s if self.ici_bytes_per_s else 0.0
+
+
+def weight_copies(config, mcfg: ModelConfig, devices, shape: RolloutShape, trainer_state, chip: pf.Chip) -> WeightCopies:
+    """`WeightCopies` of `mcfg` (give the full-depth config) for the host's sampling mesh, against
+    `trainer_state`: the abstract `TrainState` with its shardings over the slice (`plan.abstract_train_state`)."""
+    mesh = host_mesh(devices, shape)
+    rules = tuple(tuple(r) for r in config.sharding_rules) if config.sharding_rules else None
+    model = _sampler_model(mcfg, mesh, rules)
+    _, sampler, _ = nnx.split(model, nnx.Param, ...)
+    cache_shape = jax.eval_shape(lambda: model.init_cache(shape.rows, shape.cache_slots))
+    cache = pf.abstract(cache_shape, _cache_layout(mesh, cache_shape))
+    pairs = [(x.shape, x.dtype.itemsize, t.sharding, x.sharding)
+             for x, t in zip(jax.tree.leaves(sampler), jax.tree.leaves(trainer_state.params), strict=True)]
+    need, whole = reshard_bytes(pairs)
+    return WeightCopies(per_chip_bytes(sampler), per_chip_bytes(trainer_state), per_chip_bytes(trainer_state.params),
+                        per_chip_bytes(cache), max(need.values()), max(whole.values()), chip.ici_bytes_per_s)
+
+
+def rollout_calls(config, mcfg: ModelConfig, devices, rollout_chips: int = 0, tensor: int = 0,
+                  trainer_bytes: int = 0, host=None) -> tuple[RolloutShape, list[RolloutCall]]:
+    """The engine's jitted functions with abstract arguments on one host's sampling mesh (module
+    docstring). `devices`: the slice's; `host`: the devices to compile on when they are not the
+    slice's first host (`topology.Chip.host_topology`). `trainer_bytes`: per chip, the trainer's
+    state held meanwhile (counted in each call's `resident_bytes`)."""
     rcfg = RolloutConfig.from_block(config.rollout)  # as the GRPO run builds its engine's
-    shape = rollout_shape(config, rcfg, mcfg, len(devices), rollout_chips)
-    mesh = pf.topology_mesh(devices[: shape.rollout_chips], shape.rollout_chips, 1, 1)
+    shape = rollout_shape(config, rcfg, mcfg, len(devices), rollout_chips, tensor)
+    mesh = host_mesh(devices if host is None else host, shape)
     replicated = NamedSharding(mesh, PartitionSpec())
+    rules = tuple(tuple(r) for r in config.sharding_rules) if config.sharding_rules else None
 
     def rep(_shape):
         return replicated
@@ -146,13 +309,14 @@ def rollout_calls(config, mcfg: ModelConfig, devices, rollout_chips: int = 0) ->
     def rows(batch_dim=0):
         return lambda s: sharding.row_sharding(mesh, s, batch_dim)
 
-    # The policy as the run hands it to the engine: the training parameters (param dtype), here
-    # replicated over the host's data mesh.
-    mdef, params = st.abstract_params(mcfg)
-    model = mdef.model(_abstract(params, rep))
+    # The policy as the run hands it to the engine: the training parameters (param dtype), placed
+    # on the host's sampling mesh (split over tensor, else replicated).
+    model = _sampler_model(mcfg, mesh, rules)
     b, n, s = shape.rows, shape.prompt_rows, shape.cache_slots
-    cache = _abstract(jax.eval_shape(lambda: model.init_cache(b, s)), rows())
-    small = _abstract(jax.eval_shape(lambda: model.init_cache(n, s)), rows())
+    cache_shape = jax.eval_shape(lambda: model.init_cache(b, s))
+    cache = pf.abstract(cache_shape, _cache_layout(mesh, cache_shape))
+    small_shape = jax.eval_shape(lambda: model.init_cache(n, s))
+    small = pf.abstract(small_shape, _cache_layout(mesh, small_shape))
 
     # The plan's vision calls (`rollout/shapes.py`): one stand-in image, the call's shape is the plan's.
     m = mcfg.vision.spatial_merge_size
@@ -227,4 +391,62 @@ def rollout_calls(config, mcfg: ModelConfig, devices, rollout_chips: int = 0) ->
                              (model, feats, vis, offset), {}, flops.train_flops(mcfg, 0, 1, shape.obs_image[0] * q) / 3,
                              "one observation image (called once per image); the engine holds the batch's KV cache "
                              "and logits", held_cache + held_logits))
+    if trainer_bytes:
+        for c in calls:
+            c.resident_bytes += trainer_bytes
+            c.note = "; ".join(x for x in (c.note, "the trainer's state stays on the chip (both copies counted)") if x)
     return shape, calls
+
+
+def decode_tokens_per_s(shape: RolloutShape, report: pf.Report) -> float:
+    """Decode tokens per second per chip by the cost model: XLA's cost analysis counts the chunk's
+    while loop once, so the decode chunk's report times one step, which gives every row of the host
+    one token on its `rollout_chips` chips."""
+    return shape.rows / shape.rollout_chips / report.seconds if report.seconds > 0 else 0.0
+
+
+def summary(shape: RolloutShape, copies: WeightCopies, reports: list[pf.Report], chip: pf.Chip,
+            hbm_limit: float = 0.85) -> dict:
+    """One row of the sampling-layout table: per-chip memory at the rollout's peak (the sampler's
+    weights, the KV cache, the trainer's state, the rest: temporaries, inputs, logits, code), the
+    cost model's decode tokens/s per chip, the reshard's bytes and time."""
+    mine = [r for r in reports if r.name.startswith("rollout.")]
+    peak = max(mine, key=lambda r: r.total_bytes)
+    decode = next(r for r in mine if r.name.startswith("rollout.decode_chunk"))
+    steps = int(decode.name.rsplit("x", 1)[1])
+    counted = decode.xla_flops * steps / decode.model_flops if decode.model_flops else 0.0
+    known = copies.sampler_bytes + copies.cache_bytes + copies.trainer_bytes
+    return dict(
+        layout="sampling mesh" if shape.rollout_chips > 1 else "one chip per host", hosts=shape.hosts,
+        data=shape.data, tensor=shape.tensor, rollout_chips=shape.rollout_chips, rows_per_host=shape.rows,
+        rows_per_data_slice=shape.rows // shape.data, cache_slots=shape.cache_slots,
+        sampler_bytes=copies.sampler_bytes, cache_bytes=copies.cache_bytes, trainer_bytes=copies.trainer_bytes,
+        trainer_param_bytes=copies.trainer_param_bytes, peak_function=peak.name, peak_bytes=peak.total_bytes,
+        other_bytes=peak.total_bytes - known, hbm_bytes=chip.hbm_bytes, peak_hbm_frac=peak.total_bytes / chip.hbm_bytes,
+        within_limit=peak.total_bytes <= hbm_limit * chip.hbm_bytes, hbm_limit=hbm_limit,
+        decode_step_seconds=decode.seconds, decode_tokens_per_s_per_chip=decode_tokens_per_s(shape, decode),
+        decode_flops_counted=counted,
+        reshard_bytes=copies.reshard_bytes, reshard_seconds=copies.reshard_seconds,
+        reshard_whole_bytes=copies.reshard_whole_bytes, reshard_whole_seconds=copies.reshard_whole_seconds,
+        ici_bytes_per_s=copies.ici_bytes_per_s)
+
+
+def format_summary(row: dict) -> str:
+    """The summary row as lines under the preflight's table."""
+    g = pf.GIB
+    t = row["ici_bytes_per_s"]
+    secs = (lambda x: f"{x:.3f} s") if t else (lambda _x: "- (no ICI figure for this chip)")
+    return "\n".join([
+        f"rollout sampling layout: {row['layout']}, per host data={row['data']} x tensor={row['tensor']} "
+        f"({row['rollout_chips']} chip(s)), {row['rows_per_host']} rows per host",
+        f"- per chip at the peak ({row['peak_function']}): {row['peak_bytes'] / g:.2f} GiB = sampler weights "
+        f"{row['sampler_bytes'] / g:.2f} + KV cache {row['cache_bytes'] / g:.2f} + trainer state "
+        f"{row['trainer_bytes'] / g:.2f} (params {row['trainer_param_bytes'] / g:.2f}) + other {row['other_bytes'] / g:.2f}"
+        f" -> {100 * row['peak_hbm_frac']:.1f}% of HBM "
+        f"({'within' if row['within_limit'] else 'OVER'} {100 * row['hbm_limit']:.0f}%)",
+        f"- decode (cost model): {row['decode_step_seconds'] * 1e3:.2f} ms per step -> "
+        f"{row['decode_tokens_per_s_per_chip']:.0f} tokens/s per chip",
+        f"- weight reshard trainer -> sampler: {row['reshard_bytes'] / g:.2f} GiB received per chip, "
+        f"{secs(row['reshard_seconds'])} at {t / 1e9:.0f} GB/s ICI in; whole leaves gathered first: "
+        f"{row['reshard_whole_bytes'] / g:.2f} GiB, {secs(row['reshard_whole_seconds'])}",
+    ])

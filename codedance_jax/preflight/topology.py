@@ -31,14 +31,24 @@ class Chip:
     peak_bf16_flops: float  # dense bf16 matmul peak per chip (public spec sheets)
     hbm_bytes_per_s: float  # HBM bandwidth per chip (spec sheets), for the roofline fallback
     cores_per_chip: int  # TensorCores per chip: accelerator type names count cores (v5p-128 = 64 chips)
+    # ICI bandwidth into one chip (one direction, all its links), for the weight reshard's time; 0 = not known.
+    ici_bytes_per_s: float = 0.0
+    # One host's slice (e.g. "2x2"), where libtpu compiles a program over some of a slice's chips only
+    # when they are the whole slice ("On platforms with limited ICI routing device assignment should
+    # include all slice devices": seen for v5e); a host's programs then compile on this slice.
+    host_topology: str = ""
 
 
 # HBM as libtpu reports it to jax (memory_stats()['bytes_limit']) where known; spec-sheet peaks.
+# ICI: Cloud TPU system-architecture pages (cloud.google.com/tpu/docs/v5p, /v5e, /v6e) list the
+# bidirectional inter-chip interconnect bandwidth per chip: v5p 1,200 GB/s (older versions of the
+# page: "Interchip Interconnect BW 4,800 Gbps"), v5e 400 GB/s ("1,600 Gbps"), v6e 800 GB/s. One
+# direction is half of it (the Gbps figures): what a chip can receive at most. v4: not looked up.
 CHIPS = {
     "v4": Chip("v4", int(30.75 * GIB), 275e12, 1.2e12, 2),
-    "v5e": Chip("v5e", int(15.75 * GIB), 197e12, 0.819e12, 1),
-    "v5p": Chip("v5p", int(95.74 * GIB), 459e12, 2.765e12, 2),
-    "v6e": Chip("v6e", int(31.25 * GIB), 918e12, 1.64e12, 1),
+    "v5e": Chip("v5e", int(15.75 * GIB), 197e12, 0.819e12, 1, 1600e9 / 8, "2x2"),
+    "v5p": Chip("v5p", int(95.74 * GIB), 459e12, 2.765e12, 2, 4800e9 / 8),
+    "v6e": Chip("v6e", int(31.25 * GIB), 918e12, 1.64e12, 1, 800e9 / 2),
 }
 
 
