@@ -49,6 +49,10 @@ flags.DEFINE_float("header_timeout_s", 10.0, "Seconds a connection has to send a
 flags.DEFINE_float("body_timeout_s", 60.0, "Seconds a request has to send its body once its headers are in.")
 flags.DEFINE_integer("max_image_pixels", 25_000_000, "Largest image (width x height) decoded; checked from its header.")
 flags.DEFINE_bool("warmup", True, "Compile the decode path before accepting requests.")
+flags.DEFINE_integer("mesh_data", 1, "Devices of this process that rows are split over (-1: every device that "
+                     "--mesh_tensor leaves; --max_batch must divide by it). 1: one device, as before.")
+flags.DEFINE_integer("mesh_tensor", 1, "Devices that share the weights and KV cache, split by heads (a policy larger "
+                     "than one chip).")
 
 
 def main(argv):
@@ -61,7 +65,8 @@ def main(argv):
                       allowed_hosts=tuple(f.allowed_hosts), allowed_origins=tuple(f.allowed_origins),
                       allowed_local_media_path=tuple(f.allowed_local_media_path),
                       max_body_bytes=f.max_request_mb << 20, header_timeout_s=f.header_timeout_s,
-                      body_timeout_s=f.body_timeout_s, max_image_pixels=f.max_image_pixels)
+                      body_timeout_s=f.body_timeout_s, max_image_pixels=f.max_image_pixels,
+                      mesh_data=f.mesh_data, mesh_tensor=f.mesh_tensor)
     try:
         serve(f.checkpoint, host=f.host, port=f.port, cfg=cfg, dtype=f.dtype, warmup=f.warmup,
               allow_insecure_remote=f.allow_insecure_remote)

@@ -177,7 +177,8 @@ class DeviceBatch:
         """(cache, logits) of rows [0, k): the whole arrays when k is the batch, else copies."""
         if k == self.size:
             return self.cache, self.logits
-        return head_rows(self.cache, self.logits, k=k)
+        cache, logits = head_rows(self.cache, self.logits, k=k)
+        return self.placement.settle(cache), self.placement.settle(logits)  # laid out as a batch's: one program
 
     def put_head(self, k: int, cache, logits) -> None:
         """Take back what `head(k)` gave out, since extended (the write index comes with the cache)."""

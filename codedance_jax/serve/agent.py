@@ -60,8 +60,9 @@ class AgentWorker:
 
     def __init__(self, model, processor, *, max_context: int, decode_chunk: int = 16, sandbox_workers: int = 2,
                  sandbox_timeout_s: float = 15.0, turn_format: str = "code", max_cached_engines: int = 4,
-                 max_running: int = 8):
+                 max_running: int = 8, mesh=None):
         self.model, self.processor = model, processor
+        self.mesh = mesh  # the sampling mesh the model is placed for (each engine's rows split over its `data`)
         self.max_context, self.decode_chunk = max_context, decode_chunk
         self.sandbox_workers, self.sandbox_timeout_s = sandbox_workers, sandbox_timeout_s
         self.turn_format = turn_format
@@ -135,10 +136,10 @@ class AgentWorker:
         cfg = RolloutConfig.eval(
             turn_format=self.turn_format, max_turns=s.max_turns, max_turn_tokens=min(1024, s.max_tokens),
             max_new_tokens=s.max_tokens, max_total_tokens=self.max_context, decode_chunk=self.decode_chunk,
-            prompt_buckets=buckets, batch_multiple=1)
+            prompt_buckets=buckets, batch_multiple=1 if self.mesh is None else int(self.mesh.shape["data"]))
         sampling = SamplingConfig(temperature=1.0 if s.greedy else s.temperature, top_p=s.top_p,
                                   greedy=s.greedy, seed=s.seed)
-        self._engines[s] = RolloutEngine(self.model, self.processor, cfg, sampling)
+        self._engines[s] = RolloutEngine(self.model, self.processor, cfg, sampling, mesh=self.mesh)
         return self._engines[s]
 
     def _rollout(self, job: AgentJob):

@@ -52,6 +52,12 @@ class ServeConfig:
     allowed_local_media_path: directories whose world-readable files image URLs may name (none:
     data URLs only). max_body_bytes, body_timeout_s, header_timeout_s: request size and time
     limits. max_image_pixels: the largest image decoded (checked from its header).
+
+    mesh_data, mesh_tensor: the sampling mesh, over this process's devices
+    (`rollout.placement.sampling_mesh`): rows split over `mesh_data` devices (-1: every device that
+    `mesh_tensor` leaves; `max_batch` must divide by it), the weights and KV cache split over groups
+    of `mesh_tensor` (for a policy larger than one chip). The model's parameters are placed for it
+    on device (`placement.sampling_params`). 1 x 1 (the default): one device, as before.
     """
 
     model_name: str = "codedance"
@@ -72,22 +78,44 @@ class ServeConfig:
     body_timeout_s: float = 60.0
     header_timeout_s: float = 10.0
     max_image_pixels: int = DEFAULT_MAX_PIXELS
+    mesh_data: int = 1
+    mesh_tensor: int = 1
+
+
+def sampling_layout(model, cfg: ServeConfig):
+    """(the sampling mesh or None, `model` placed for it): `cfg.mesh_data` x `mesh_tensor` of this
+    process's devices. A one-device mesh (the default) leaves the model where it was loaded (None)."""
+    from flax import nnx
+
+    from codedance_jax.errors import ConfigError
+    from codedance_jax.rollout.placement import sampling_mesh, sampling_params
+
+    try:
+        mesh = sampling_mesh(cfg.mesh_data, cfg.mesh_tensor)
+    except ConfigError as e:  # named as launch.serve's flags, not the run configs' fields
+        raise ConfigError(e.message.replace("config.rollout.", "--"), e.fix.replace("config.rollout.", "--")) from None
+    if mesh.size == 1:
+        return None, model
+    graphdef, state = nnx.split(model)
+    del model  # the loaded arrays are freed once placed: one copy of the policy stays
+    return mesh, nnx.merge(graphdef, sampling_params(state, mesh))
 
 
 class Server:
     """Holds the model, the chat batcher and the agent worker; `app` is the ASGI application."""
 
     def __init__(self, model, processor, cfg: ServeConfig | None = None):
-        self.model, self.processor = model, processor
         self.cfg = cfg or ServeConfig()
         c = self.cfg
+        self.mesh, model = sampling_layout(model, c)
+        self.model, self.processor = model, processor
         self.batcher = Batcher(model, processor, max_batch=c.max_batch, max_context=c.max_context,
-                               decode_chunk=c.decode_chunk)
+                               decode_chunk=c.decode_chunk, mesh=self.mesh)
         self.agent = None
         if c.agent:
             self.agent = agent_lib.AgentWorker(model, processor, max_context=c.max_context, decode_chunk=c.decode_chunk,
                                                sandbox_workers=c.sandbox_workers, sandbox_timeout_s=c.sandbox_timeout_s,
-                                               turn_format=c.turn_format)
+                                               turn_format=c.turn_format, mesh=self.mesh)
         self.created = int(time.time())
         self.local_media = LocalMedia(c.allowed_local_media_path, max_bytes=c.max_body_bytes)
         inner = self._build_app()

@@ -30,6 +30,14 @@ Stop strings: the device stops a row on EOS (`<|im_end|>`, `<|endoftext|>`); req
 found on the decoded text after each chunk (the row is ended there and its text cut before the
 stop, as OpenAI does; tokens sampled past it are discarded with the row).
 
+Placement: `Batcher(..., mesh=)` with a sampling mesh (`rollout.placement.sampling_mesh`; the model's
+parameters placed for it by `placement.sampling_params`) splits every array with a row dimension
+over its `data` axis and the KV cache's heads over `tensor` (`device_batch.RowPlacement`, as the
+rollout engine does), and row buckets are then `data` x a power of two (so each device holds whole
+rows; `max_batch` must divide by `data`). Without one (or with a one-device mesh) arrays stay
+where jit puts them, as before. Rows are independent, so a row's tokens do not depend on the mesh
+beyond float noise (greedy replies are the same: tests/serve/test_serve_mesh.py).
+
 Deviation from the rollout engine: greedy rows of a mixed batch take an extra argmax per step
 (one compiled variant for all-greedy batches, one for mixed ones).
 """
@@ -47,12 +55,13 @@ from collections.abc import Callable
 import jax.numpy as jnp
 import numpy as np
 
+from codedance_jax.errors import ConfigError
 from codedance_jax.model import rope
 from codedance_jax.model.generate import encode_vision, extend_arrays, vision_inputs
 from codedance_jax.protocol import END_MARKERS
 from codedance_jax.rollout import CompileCounter, RowSampling, Sampler, SamplingConfig, build_stop_table, vision_bucket
 from codedance_jax.rollout.buckets import pow2
-from codedance_jax.rollout.device_batch import DeviceBatch, merge_rows, row_bucket
+from codedance_jax.rollout.device_batch import DeviceBatch, RowPlacement, merge_rows, row_bucket
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +101,13 @@ class Batcher:
     """`submit(choice)` from any thread; events arrive through `seq.on_event` (see `_emit`)."""
 
     def __init__(self, model, processor, *, max_batch: int = 8, max_context: int = 4096, decode_chunk: int = 16,
-                 min_prefill: int = 64, vision_min_units: int = 64):
+                 min_prefill: int = 64, vision_min_units: int = 64, mesh=None):
         self.model, self.processor = model, processor
+        self.placement = RowPlacement(mesh)  # rows over the mesh's `data` axis (none without a mesh)
+        self.multiple = 1 if self.placement.mesh is None else int(self.placement.mesh.shape["data"])
+        if max_batch % self.multiple:
+            raise ConfigError(f"max_batch={max_batch} does not split over the sampling mesh's {self.multiple} data slices",
+                              f"set max_batch to a multiple of {self.multiple}, or mesh_data to a divisor of {max_batch}")
         self.max_batch, self.max_context, self.decode_chunk = max_batch, max_context, decode_chunk
         self.min_prefill, self.vision_min_units = min_prefill, vision_min_units
         cfg = model.cfg
@@ -107,8 +121,9 @@ class Batcher:
         # Room for the longest row plus one prefill and one chunk after a compaction.
         self.cache_slots = 2 * max_context + decode_chunk
         self.slots = [_Slot() for _ in range(max_batch)]
-        self.batch = DeviceBatch(model.init_cache(max_batch, self.cache_slots),
-                                 jnp.zeros((max_batch, cfg.text.vocab_size), jnp.float32))
+        self.batch = DeviceBatch(self.placement.init_cache(model, max_batch, self.cache_slots),
+                                 self.placement.rows(np.zeros((max_batch, cfg.text.vocab_size), np.float32)),
+                                 placement=self.placement)
         self.waiting: queue.Queue[Choice] = queue.Queue()
         self._backlog: list[Choice] = []
         self._admitting: list[Choice] = []  # taken from the backlog, not yet in a row (failed together on a bug)
@@ -207,9 +222,10 @@ class Batcher:
         if grids:
             vis = vision_inputs(np.concatenate(pvs), grid, cfg, **vision_bucket(grid, cfg, self.vision_min_units))
             feats = encode_vision(self.model, vis)
+        place = self.placement.rows
         cache, old_logits = self.batch.head(b)
-        logits, cache = extend_arrays(self.model, cache, ids, mask, pos, feats, last_only=True)
-        self.batch.put_head(b, cache, merge_rows(jnp.asarray(on), logits.astype(jnp.float32), old_logits))
+        logits, cache = extend_arrays(self.model, cache, place(ids), place(mask), place(pos, 1), feats, last_only=True)
+        self.batch.put_head(b, cache, merge_rows(place(on), logits.astype(jnp.float32), old_logits))
         self.batch.index += length
         for i, q in zip(rows, take, strict=True):
             self.slots[i] = _Slot(seq=q, next_pos=int(next_pos[i]))
@@ -239,9 +255,10 @@ class Batcher:
             uid[i], count[i] = q.uid, len(q.tokens)
             temp[i], top_p[i], greedy[i] = (1.0 if q.greedy else q.temperature), q.top_p, q.greedy
         forced = np.full((b, n), -1, np.int32)
+        place = self.placement.rows
         cache, logits = self.batch.head(b)
         out, cache, logits = self.sampler.decode_chunk(
-            cache, logits, active, limit, hist, forced, uid, count, rows=RowSampling(temp, top_p, greedy))
+            cache, logits, *map(place, (active, limit, hist, forced, uid, count)), rows=RowSampling(temp, top_p, greedy))
         self.batch.put_head(b, cache, logits)
         self.batch.index = out.start + out.steps
         self.stats["chunks"] += 1
@@ -268,8 +285,8 @@ class Batcher:
                 done[i] = True
                 s.seq = None
         if done.any():  # free the rows: no valid slot, and positions back to 0 (extend keeps the max)
-            self.batch.drop(jnp.asarray(np.repeat(done[:, None], self.cache_slots, 1)),
-                            jnp.where(jnp.asarray(done), self.batch.cache.next_pos, 0))
+            self.batch.drop(np.repeat(done[:, None], self.cache_slots, 1),
+                            jnp.where(self.placement.rows(done), self.batch.cache.next_pos, 0))
 
     def _finish_reason(self, q: Choice, s: _Slot, stopped: bool, still_active: bool) -> str | None:
         """Decode the row's text; cut at EOS or a request stop string. Returns the finish reason or None."""
@@ -329,9 +346,10 @@ class Batcher:
                 log.exception("event handler failed")
 
     def _rows_in_use(self, n: int) -> int:
-        """The rows a device call covers, [0, k): k a power of two >= n (capped at max_batch), so a lightly
-        loaded server does not pay for its whole batch every step, with few distinct shapes to compile."""
-        return row_bucket(n, 1, self.max_batch)
+        """The rows a device call covers, [0, k): k the mesh's data size times a power of two, >= n (capped
+        at max_batch), so a lightly loaded server does not pay for its whole batch every step, with few
+        distinct shapes to compile, and each data slice holds whole rows."""
+        return row_bucket(n, self.multiple, self.max_batch)
 
     def _make_room(self, n: int) -> bool:
         """Whether n slots fit after the write index, compacting the cache if they do not yet."""

@@ -58,7 +58,8 @@ def load(checkpoint: str, dtype: str = "float32"):
 
 
 def warm_up(server: Server) -> None:
-    """Greedy text requests through the batcher, k at once for every row bucket k = 1, 2, 4, ...:
+    """Greedy text requests through the batcher, k at once for every row bucket k = d, 2d, 4d, ... (d
+    the sampling mesh's data size, 1 without one):
     compiles the short-prompt prefill and the decode chunk of each bucket before the first client
     (as servers capture one graph per batch size). Longer prompts, images and sampled rows still
     compile on first use."""
@@ -66,7 +67,7 @@ def warm_up(server: Server) -> None:
 
     ids = server.processor(text=[server.processor.apply_chat_template(
         [{"role": "user", "content": "hi"}], add_generation_prompt=True)])["input_ids"][0].astype("int32")
-    k, top = 1, server.batcher.max_batch
+    k, top = server.batcher.multiple, server.batcher.max_batch  # row buckets: the mesh's data size x 2^i
     while True:
         done = threading.Semaphore(0)
         for _ in range(k):
