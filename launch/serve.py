@@ -4,6 +4,10 @@ r"""Serve a checkpoint behind an OpenAI-compatible API (SPEC §8).
   curl localhost:8000/v1/models
   # openai.OpenAI(base_url="http://localhost:8000/v1", api_key="-").chat.completions.create(model="codedance", ...)
 
+On a host with several devices, `--mesh_data=-1` splits the decoded rows over all of them (and
+`--mesh_tensor=2` splits the weights and KV cache over pairs of them, for a policy larger than one
+chip); the default is one device.
+
 Model names: `codedance` (chat) and `codedance-agent` (the server runs the multi-turn code loop
 in the sandbox and returns the answer plus the trajectory). User errors (missing checkpoint, port
 in use, listening beyond loopback without an API key) exit with status 2 and one line on stderr.
