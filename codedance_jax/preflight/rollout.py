@@ -426,6 +426,9 @@ def summary(shape: RolloutShape, copies: WeightCopies, reports: list[pf.Report],
         within_limit=peak.total_bytes <= hbm_limit * chip.hbm_bytes, hbm_limit=hbm_limit,
         decode_step_seconds=decode.seconds, decode_tokens_per_s_per_chip=decode_tokens_per_s(shape, decode),
         decode_flops_counted=counted,
+        # For scale: a step that reads the chip's weights and KV cache once from HBM, nothing else.
+        decode_hbm_floor_tokens_per_s_per_chip=shape.rows / shape.rollout_chips
+        / ((copies.sampler_bytes + copies.cache_bytes) / chip.hbm_bytes_per_s),
         reshard_bytes=copies.reshard_bytes, reshard_seconds=copies.reshard_seconds,
         reshard_whole_bytes=copies.reshard_whole_bytes, reshard_whole_seconds=copies.reshard_whole_seconds,
         ici_bytes_per_s=copies.ici_bytes_per_s)
@@ -445,7 +448,8 @@ def format_summary(row: dict) -> str:
         f" -> {100 * row['peak_hbm_frac']:.1f}% of HBM "
         f"({'within' if row['within_limit'] else 'OVER'} {100 * row['hbm_limit']:.0f}%)",
         f"- decode (cost model): {row['decode_step_seconds'] * 1e3:.2f} ms per step -> "
-        f"{row['decode_tokens_per_s_per_chip']:.0f} tokens/s per chip",
+        f"{row['decode_tokens_per_s_per_chip']:.0f} tokens/s per chip (reading the weights and cache once per step "
+        f"from HBM would allow {row['decode_hbm_floor_tokens_per_s_per_chip']:.0f})",
         f"- weight reshard trainer -> sampler: {row['reshard_bytes'] / g:.2f} GiB received per chip, "
         f"{secs(row['reshard_seconds'])} at {t / 1e9:.0f} GB/s ICI in; whole leaves gathered first: "
         f"{row['reshard_whole_bytes'] / g:.2f} GiB, {secs(row['reshard_whole_seconds'])}",
