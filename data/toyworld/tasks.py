@@ -100,10 +100,10 @@ def draw_shape(d: ImageDraw.ImageDraw, kind: str, x: int, y: int, s: int, rgb) -
 # ------------------------------------------------------------------------------------- count
 
 
-def _count_easy(rng):
+def _count_easy(rng, colors=ANSWER_COLORS):
     img = Image.new("RGB", (EASY_SIZE,) * 2, WHITE)
     d = ImageDraw.Draw(img)
-    color = ANSWER_COLORS[_ri(rng, 0, len(ANSWER_COLORS) - 1)]
+    color = colors[_ri(rng, 0, len(colors) - 1)]
     n = _ri(rng, 1, EASY_COUNT_MAX)
     quads = sorted(rng.choice(4, size=n, replace=False).tolist())
     shapes = []
@@ -303,12 +303,14 @@ _MAKERS = {
 
 def make_item(family: str, difficulty: str, rng_or_seed, item_id: str,
               bars_questions: tuple[str, ...] = BARS_HARD_QUESTIONS,
-              count_questions: tuple[str, ...] = ("count_target",)) -> Item:
+              count_questions: tuple[str, ...] = ("count_target",),
+              easy_count_colors: tuple[str, ...] = ANSWER_COLORS) -> Item:
     """Draw one item; the same seed (or generator state) gives the same item.
 
     `bars_questions`: the question kinds hard `bars` items may ask (`bars_color`, `bars_height`);
     with one of them the other's items ask it instead (the image is the same). `count_questions`:
     the question kinds hard `count` items may ask (`count_color`, `count_target`).
+    `easy_count_colors`: the palette colours easy `count` shapes are drawn in.
     """
     if (family, difficulty) not in _MAKERS:
         raise ValueError(f"unknown task {family}/{difficulty}; families {FAMILIES}, difficulties {DIFFICULTIES}")
@@ -318,11 +320,16 @@ def make_item(family: str, difficulty: str, rng_or_seed, item_id: str,
     count_questions = tuple(count_questions)
     if not count_questions or set(count_questions) - set(COUNT_HARD_QUESTIONS):
         raise ValueError(f"count_questions={count_questions}: choose among {COUNT_HARD_QUESTIONS}")
+    easy_count_colors = tuple(easy_count_colors)
+    if not easy_count_colors or set(easy_count_colors) - set(PALETTE):
+        raise ValueError(f"easy_count_colors={easy_count_colors}: choose among {tuple(PALETTE)}")
     maker = _MAKERS[family, difficulty]
     if (family, difficulty) == ("bars", "hard"):
         img, question, answer, meta = maker(_rng(rng_or_seed), bars_questions)
     elif (family, difficulty) == ("count", "hard"):
         img, question, answer, meta = maker(_rng(rng_or_seed), count_questions)
+    elif (family, difficulty) == ("count", "easy"):
+        img, question, answer, meta = maker(_rng(rng_or_seed), easy_count_colors)
     else:
         img, question, answer, meta = maker(_rng(rng_or_seed))
     return Item(item_id, family, difficulty, question, answer, img, meta)

@@ -25,7 +25,8 @@ code is the majority mode for those questions, so greedy decoding takes it too;
 accuracy; `hard_items_direct`), `hard_direct_families` (the families whose hard items can be
 answered by sight; `hard_items_direct_by_family`), `bars_questions` (what hard bars items ask:
 the tallest bar's colour and/or its height in pixels), `count_questions` (what hard count items
-ask: a colour's shapes and/or a colour and kind) and `error_rate` (share of hard SFT items whose first cell fails and
+ask: a colour's shapes and/or a colour and kind), `easy_count_colors` (the colours easy count
+shapes are drawn in) and `error_rate` (share of hard SFT items whose first cell fails and
 is fixed; `recovered_errors`).
 """
 
@@ -46,7 +47,7 @@ from PIL import Image
 from codedance_jax.processing.image import smart_resize
 from data.chat import render
 from data.toyworld.expert import expert_trajectory, png_bytes, user_content
-from data.toyworld.tasks import BARS_HARD_QUESTIONS, DIFFICULTIES, FAMILIES, Item, make_item
+from data.toyworld.tasks import ANSWER_COLORS, BARS_HARD_QUESTIONS, DIFFICULTIES, FAMILIES, Item, make_item
 from data.toyworld.tokenizer import DEFAULT_MAX_PIXELS, DEFAULT_VOCAB, write_toy_processor_files
 from data.trajectory import Message, parse_record
 
@@ -74,16 +75,15 @@ def _key(item: Item) -> str:
 
 
 def make_split(split: str, n: int, seed: int, hard_frac: float, exclude: set[str] | None = None,
-               bars_questions: tuple[str, ...] = BARS_HARD_QUESTIONS,
-               count_questions: tuple[str, ...] = ("count_target",)):
-    """The items of one split; items whose key is in `exclude` are redrawn. Returns (items, redraws)."""
+               **item_options):
+    """The items of one split; items whose key is in `exclude` are redrawn. Returns (items, redraws).
+    `item_options`: `make_item`'s keyword options (`bars_questions`, `count_questions`, `easy_count_colors`)."""
     items, redraws = [], 0
     for i, (fam, diff) in enumerate(split_plan(split, n, seed, hard_frac)):
         attempt = 0
         while True:
             key = [seed, SPLIT_CODES[split], i] + ([attempt] if attempt else [])
-            item = make_item(fam, diff, np.random.default_rng(key), f"{split}-{i:05d}", bars_questions,
-                             count_questions)
+            item = make_item(fam, diff, np.random.default_rng(key), f"{split}-{i:05d}", **item_options)
             if not exclude or _key(item) not in exclude:
                 break
             attempt += 1
@@ -191,6 +191,7 @@ def generate_world(
     hard_direct_families: tuple[str, ...] | None = None,
     bars_questions: tuple[str, ...] = BARS_HARD_QUESTIONS,
     count_questions: tuple[str, ...] = ("count_target",),
+    easy_count_colors: tuple[str, ...] = ANSWER_COLORS,
     vocab_size: int = DEFAULT_VOCAB,
     max_pixels: int = DEFAULT_MAX_PIXELS,
 ) -> dict[str, Any]:
@@ -203,7 +204,8 @@ def generate_world(
     t_start = time.monotonic()
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    qs = dict(bars_questions=tuple(bars_questions), count_questions=tuple(count_questions))
+    qs = dict(bars_questions=tuple(bars_questions), count_questions=tuple(count_questions),
+              easy_count_colors=tuple(easy_count_colors))
     sft_items, _ = make_split("sft", n_sft, seed, hard_frac, **qs)
     rl_items, _ = make_split("rl", n_rl, seed, hard_frac, **qs)
     seen = {_key(it) for it in sft_items + rl_items}
@@ -282,6 +284,7 @@ def generate_world(
             r["meta"]["family"] for r in records if r["meta"]["difficulty"] == "hard" and r["meta"]["cells"] == 0).items())),
         "bars_questions": list(bars_questions),
         "count_questions": list(count_questions),
+        "easy_count_colors": list(easy_count_colors),
         "error_rate": error_rate,
         "sandbox": {
             "cells": sum(r["meta"]["cells"] for r in records),

@@ -63,7 +63,7 @@ def test_demo_mini_writes_the_report(tmp_path):
     for k in ("hard_direct_rate", "error_rate", "easy_code_rate"):
         assert world[k] == knobs[k], k
     for k in ("easy_code_families", "hard_direct_families", "bars_questions",
-              "count_questions"):
+              "count_questions", "easy_count_colors"):
         assert world[k] == list(knobs[k]), k
     assert set(world["easy_items_with_code_by_family"]) <= set(knobs.easy_code_families)
     assert set(world["hard_items_direct_by_family"]) <= set(knobs.hard_direct_families)

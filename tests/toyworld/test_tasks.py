@@ -54,6 +54,14 @@ def test_count_questions(questions):
         make_item("count", "hard", 0, "x", count_questions=("count_kind",))
 
 
+def test_easy_count_colors():
+    drawn = {make_item("count", "easy", seed, "e", easy_count_colors=("red", "blue")).meta["shapes"][0]["color"]
+             for seed in range(30)}
+    assert drawn == {"red", "blue"}
+    with pytest.raises(ValueError, match="easy_count_colors"):
+        make_item("count", "easy", 0, "e", easy_count_colors=("pink",))
+
+
 def test_palette_is_pil_named_colours():
     """Every palette name is a CSS/PIL colour name whose `ImageColor.getrgb` value is exactly what is
     drawn, so code may write `ImageColor.getrgb('red')`; no palette colour is grey, black or white."""
