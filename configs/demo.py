@@ -165,8 +165,9 @@ def get_config(preset: str = "default") -> ml_collections.ConfigDict:
     c.targets = ml_collections.ConfigDict(dict(hard_accuracy=0.9, overall_accuracy=0.75))
     # Issue 18's targets for GRPO against SFT (demo/report.py: effect_checks): sampled accuracy up by
     # accuracy_gain with its interval above 0, greedy and hard accuracy not lower, the easy-item tool
-    # rate at most easy_tool_rate_ratio of SFT's (greedy and sampled), hard items' >= hard_tool_rate_min.
+    # rate at most easy_tool_rate_ratio of SFT's (greedy and sampled), hard items' >= hard_tool_rate_min;
+    # issue 35's: no family x difficulty cell loses more than cell_loss_max greedy.
     c.effect_targets = ml_collections.ConfigDict(dict(accuracy_gain=0.05, easy_tool_rate_ratio=0.5,
-                                                      hard_tool_rate_min=0.9))
+                                                      hard_tool_rate_min=0.9, cell_loss_max=0.05))
     c.examples_per_group = 1 if mini else 2
     return c

@@ -83,8 +83,9 @@ def effect_checks(evals: Mapping[str, Mapping], diffs: Mapping[str, Mapping], sp
                   before: str = "sft", after: str = "grpo", paired: Mapping[str, Mapping] | None = None) -> list[dict]:
     """Issue 18's targets for GRPO against SFT (`spec`: `accuracy_gain` (sampled and greedy, each with
     its interval above 0), `easy_tool_rate_ratio` (easy-item tool rate after <= ratio x before,
-    greedy and sampled), `hard_tool_rate_min` (hard items' tool rate after, both)); greedy accuracy
-    and hard accuracy must not fall. The accuracy gain is judged on the paired interval where the
+    greedy and sampled), `hard_tool_rate_min` (hard items' tool rate after, both), `cell_loss_max`
+    (no family x difficulty cell loses more than this much greedy accuracy, item by item)); greedy
+    accuracy and hard accuracy must not fall. The accuracy gain is judged on the paired interval where the
     pair was compared item by item (`paired`: `eval.intervals.paired_accuracy` per `{after} -
     {before}`; Tango's score interval for greedy, the bootstrap over items for sampled), else on
     Newcombe's. `met` is None where an evaluation or a value is missing."""
@@ -117,6 +118,15 @@ def effect_checks(evals: Mapping[str, Mapping], diffs: Mapping[str, Mapping], sp
             d = pair.get(key) or {}
             ok = None if d.get("diff") is None else bool(d["diff"] >= 0)
             add(f"{label} {key} does not fall", ok, fmt_diff(d.get("diff"), d.get("ci95")))
+    if "cell_loss_max" in spec:
+        loss_max = float(spec["cell_loss_max"])
+        groups = ((paired or {}).get(f"{after} - {before}") or {}).get("groups", {})
+        cells = {k: g["diff"] for k, g in groups.items() if "," in k}
+        worst = min(cells, key=cells.get) if cells else None
+        add(f"greedy: no family x difficulty cell of {after} loses more than {100 * loss_max:.0f} pts",
+            None if worst is None else bool(cells[worst] >= -loss_max - 1e-9),
+            "not compared item by item" if worst is None else
+            f"largest loss: {worst} {fmt_diff(cells[worst], groups[worst]['paired_ci95'])}")
     ratio = float(spec.get("easy_tool_rate_ratio", 0.5))
     hard_min = float(spec.get("hard_tool_rate_min", 0.9))
     for b, a, label in ((before, after, "greedy"), (bs, as_, "sampled")):

@@ -494,3 +494,23 @@ def test_greedy_gain_judged_on_the_paired_interval(tmp_path):
     s = json.loads((tmp_path / "r" / "summary.json").read_text())
     check = next(c for c in s["effect_checks"] if c["name"] == name)
     assert check["met"] is False and "Newcombe" in check["detail"] and s["paired_accuracy"] == {}
+
+
+def test_cell_loss_check():
+    """Issue 35's "no family x difficulty cell loses more than 5 points greedy", read from the paired
+    comparison's cells (a whole-difficulty or whole-family group does not count as a cell)."""
+    from runs.demo.checks import effect_checks
+
+    def cell(diff):
+        return {"diff": diff, "paired_ci95": [diff - 0.1, diff + 0.1], "n_items": 40}
+
+    name = "greedy: no family x difficulty cell of grpo loses more than 5 pts"
+    for worst, met in ((-0.05, True), (-0.075, False), (0.0, True)):
+        groups = {"all": cell(0.1), "difficulty=easy": cell(-0.2), "family=count,difficulty=easy": cell(worst),
+                  "family=find,difficulty=hard": cell(0.75)}
+        got = effect_checks({}, {}, {"cell_loss_max": 0.05}, paired={"grpo - sft": {"groups": groups}})
+        check = next(c for c in got if c["name"] == name)
+        assert check["met"] is met, (worst, check)
+        assert "family=count,difficulty=easy" in check["detail"]
+    got = effect_checks({}, {}, {"cell_loss_max": 0.05}, paired=None)
+    assert next(c for c in got if c["name"] == name)["met"] is None
