@@ -6,6 +6,7 @@ r"""Table 3 of the paper on the toy world: four reward variants from the same SF
   python -m launch.ablate --workdir=DIR --modes=full --variants=drgrpo,dapo,gspo,mask_truncated,turn_loo
   python -m launch.ablate --workdir=DIR --modes=outcome,full,drgrpo,turn_loo   # a recipe variant is a row of --modes too
   python -m launch.ablate --workdir=DIR --variants=dapo --dry_run    # print the runs and their config changes
+  python -m launch.ablate --workdir=DIR --worlds=0,1 --seeds=0,1,2 --modes=outcome,full   # over two worlds too
 
 Rows: outcome-only GRPO (R_acc + R_format), DeepEyes-style tool bonus, R_BAT without R_turn, full
 R_BAT (once per `--presets` entry), then one row per recipe variant in `--variants` (named sets of
@@ -13,8 +14,13 @@ GRPO config overrides: Dr. GRPO, DAPO, GSPO, Mini-o3 masking, R_turn baselines, 
 runs/demo/variants.py; with `--variants` and no `--modes`, only the variants run); each trained from
 the same SFT policy with the same steps, once per GRPO seed in `--seeds`, and evaluated on the
 held-out split. Prints the table (mean ± std over
-the seeds) and writes WORKDIR/ablation.md and ablation.json. Finished runs are reused.
+the seeds) and writes WORKDIR/ablation.md and ablation.json. Finished runs are reused. With
+`--worlds`, each world seed (`--config.seed`: the world, its SFT policy and what follows) gets its
+own WORKDIR/world{s} (a demo's workdir can be linked there), and the table is over every world and
+GRPO seed.
 """
+
+import os
 
 from absl import flags, logging
 from ml_collections import config_flags
@@ -37,6 +43,8 @@ def _known_modes(modes) -> bool:
 
 flags.DEFINE_list("seeds", [], "GRPO seeds, one run per row each (empty: the config's seed, one run).")
 flags.DEFINE_list("presets", [], "R_BAT presets for the R_BAT rows: paper, release (empty: the config's).")
+flags.DEFINE_list("worlds", [], "World seeds (config.seed), one WORKDIR/world{s} each (empty: WORKDIR, the config's).")
+flags.register_validator("worlds", lambda s: all(x.isdigit() for x in s), "--worlds: integers, e.g. 0,1")
 flags.register_validator("seeds", lambda s: all(x.lstrip("-").isdigit() for x in s), "--seeds: integers, e.g. 0,1,2")
 flags.register_validator("presets", lambda p: all(x in ("paper", "release") for x in p), "--presets: paper and/or release")
 flags.register_validator("modes", _known_modes, "unknown row; choose among the reward variants outcome,tool_bonus,"
@@ -78,13 +86,21 @@ def main(argv):
 
         from runs.demo.pipeline import ablation_plan
 
-        for run in ablation_plan(f.config, f.workdir, modes, **kw):
-            print(json.dumps(run), flush=True)
+        from runs.demo.pipeline import world_config
+
+        for w in f.worlds or [None]:
+            c = f.config if w is None else world_config(f.config, int(w))
+            workdir = f.workdir if w is None else os.path.join(f.workdir, f"world{w}")
+            for run in ablation_plan(c, workdir, modes, **kw):
+                print(json.dumps(run if w is None else {"world": int(w), **run}), flush=True)
         return
     compile_cache.enable()  # re-runs and ablations reuse compiled steps (CODEDANCE_COMPILATION_CACHE=off disables)
-    from runs.demo.pipeline import ablate
+    from runs.demo.pipeline import ablate, ablate_worlds
 
-    ablate(f.config, f.workdir, modes, **kw)
+    if f.worlds:
+        ablate_worlds(f.config, f.workdir, [int(w) for w in f.worlds], modes, **kw)
+    else:
+        ablate(f.config, f.workdir, modes, **kw)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ module fills in paths only (the world's files, the policy a phase starts from).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -396,14 +397,16 @@ def ablate(c, workdir: str, modes=tuple(table3.MODE_NAMES), *, seeds=(), presets
                 results[run][table3.DRIFT_COLUMN] = drift[-1]["kl_k3"]
             seconds[row.key] = seconds.get(row.key, 0.0) + time.perf_counter() - t0
     k = c.eval.samples
-    entries = [("SFT cold start", [results["sft"]])]
+    entries = [("SFT cold start", ["sft"])]
     if k > 0:
-        entries.append((f"SFT cold start, sampled (k={k})", [results["sft_sampled"]]))
+        entries.append((f"SFT cold start, sampled (k={k})", ["sft_sampled"]))
     for row in table_rows:
         runs = [table3.run_name(row, s) for s in seed_list]
-        entries.append((row.label, [results[r] for r in runs]))
+        entries.append((row.label, runs))
         if k > 0:
-            entries.append((f"{row.label}, sampled (k={k})", [results[f"{r}_sampled"] for r in runs]))
+            entries.append((f"{row.label}, sampled (k={k})", [f"{r}_sampled" for r in runs]))
+    results["rows"] = [[label, names] for label, names in entries]  # the table's rows: label, run names
+    entries = [(label, [results[n] for n in names]) for label, names in entries]
     if seeds:
         results["table"] = {label: table3.aggregate(runs) for label, runs in entries}
         results["seconds"] = seconds
@@ -415,3 +418,44 @@ def ablate(c, workdir: str, modes=tuple(table3.MODE_NAMES), *, seeds=(), presets
         json.dump(results, f, indent=2)
     print(md, flush=True)
     return results
+
+
+def world_config(c, seed: int) -> ml_collections.ConfigDict:
+    """`c` for world seed `seed`: a deep copy (which keeps the config's references, unlike
+    `to_dict()`) with `seed` set, so the world, SFT, GRPO and evaluation seeds follow it."""
+    cw = copy.deepcopy(c)
+    cw.seed = int(seed)
+    return cw
+
+
+def world_entries(per_world) -> list[tuple[str, list[dict]]]:
+    """The rows of a table over several worlds: each row label (in the first world's order) with the
+    summaries of its runs in every world (`ablate`'s results, whose `rows` name each row's runs)."""
+    entries: dict[str, list[dict]] = {}
+    for res in per_world:
+        for label, names in res["rows"]:
+            entries.setdefault(label, []).extend(res[n] for n in names)
+    return list(entries.items())
+
+
+def ablate_worlds(c, workdir: str, worlds, modes=tuple(table3.MODE_NAMES), **kw) -> dict:
+    """`ablate` once per world seed (`c.seed`: the world, its SFT policy and everything that follows
+    from it) in WORKDIR/world{s}, then one table over every world and GRPO seed: each row's mean ±
+    std over all its runs (the SFT rows: one run per world). Writes WORKDIR/ablation.md and
+    ablation.json (`worlds`: each world's results; `table`: per row label, mean, std, n per column)."""
+    workdir = os.path.abspath(workdir)
+    per_world = {}
+    for s in worlds:
+        per_world[f"world{s}"] = ablate(world_config(c, s), os.path.join(workdir, f"world{s}"), modes, **kw)
+    entries = world_entries(per_world.values())
+    seeds = kw.get("seeds") or (c.grpo.seed,)
+    title = (f"Table 3 on the toy world ({c.grpo.total_steps} GRPO steps per run; world seeds "
+             f"{', '.join(map(str, worlds))} x GRPO seeds {', '.join(map(str, seeds))})")
+    md = table3.markdown(entries, title=title)
+    out = {"worlds": per_world, "table": {label: table3.aggregate(runs) for label, runs in entries}}
+    with open(os.path.join(workdir, "ablation.md"), "w") as f:
+        f.write(md)
+    with open(os.path.join(workdir, "ablation.json"), "w") as f:
+        json.dump(out, f, indent=2)
+    print(md, flush=True)
+    return out

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from launch_env import REPO, launcher_env
 
@@ -83,3 +84,35 @@ def test_the_flag_parses_into_one_run_per_variant(tmp_path):
     assert [json.loads(x)["run"] for x in out.stdout.splitlines() if x.startswith("{")] == ["outcome", *variants.VARIANTS]
     out = _ablate(tmp_path, "--modes=full,gspoo")
     assert out.returncode == 2 and "--modes" in out.stderr and "gspoo" in out.stderr
+
+
+def test_worlds_flag_plans_each_world_and_the_table_pools_them(tmp_path):
+    """--worlds: one workdir per world seed, its runs planned there; the combined table's rows hold
+    every world's runs (mean ± std over world x GRPO seeds)."""
+    from runs.demo import table3
+    from runs.demo.pipeline import world_config, world_entries
+
+    c = world_config(demo_configs.get_config("mini"), 1)  # the seed reaches every run the world feeds
+    assert (c.seed, c.world.seed, c.sft.seed, c.grpo.seed, c.eval.seed) == (1, 1, 1, 1, 1)
+
+    out = _ablate(tmp_path, "--worlds=0,1", "--modes=outcome,full", "--seeds=0,1")
+    assert out.returncode == 0, out.stderr[-2000:]
+    plan = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    assert [(p["world"], p["run"]) for p in plan] == [
+        (w, f"{m}/seed{s}") for w in (0, 1) for s in (0, 1) for m in ("outcome", "full")]
+    out = _ablate(tmp_path, "--worlds=0,x")
+    assert out.returncode == 2 and "--worlds" in out.stderr
+    rng = np.random.default_rng()
+    acc = rng.uniform(0.5, 1.0, size=(2, 3))  # world x run (SFT, two GRPO seeds)
+
+    def world(w):
+        return {"rows": [["SFT cold start", ["sft"]], ["R_BAT (full)", ["full/seed0", "full/seed1"]]],
+                "sft": {"accuracy": acc[w, 0]}, "full/seed0": {"accuracy": acc[w, 1]},
+                "full/seed1": {"accuracy": acc[w, 2]}}
+
+    entries = world_entries([world(0), world(1)])
+    assert [label for label, _ in entries] == ["SFT cold start", "R_BAT (full)"]
+    agg = table3.aggregate(entries[1][1])["accuracy"]
+    assert agg["n"] == 4 and agg["mean"] == pytest.approx(acc[:, 1:].mean())
+    assert agg["std"] == pytest.approx(acc[:, 1:].std(ddof=1))
+    assert table3.aggregate(entries[0][1])["accuracy"]["n"] == 2
