@@ -270,3 +270,16 @@ def _only(plan, entry):
     import dataclasses
 
     return dataclasses.replace(plan, entries=[entry])
+
+
+def test_extrapolated_temporaries_never_fall_below_a_depth_point():
+    """A transient working set (one chunk's attention scores) exists at any depth: when the compiler's
+    temporaries fall from 1 to 2 layers, the line would extrapolate below them; the largest stays."""
+    def rep(temp, args):
+        return pf.Report("f", 4, 16 * pf.GIB, args, 0, 0, temp, 0, 0.0, 0.0, 0.0, 1.0)
+
+    base, text1, vis1 = rep(40 * pf.GIB, 10), rep(39 * pf.GIB, 20), rep(40 * pf.GIB, 11)
+    out = pf.extrapolate(base, text1, vis1, 27, 31)
+    assert out.temp_bytes == 40 * pf.GIB and out.argument_bytes == 10 + 27 * 10 + 31 * 1
+    grow = pf.extrapolate(rep(1 * pf.GIB, 0), rep(2 * pf.GIB, 0), rep(1 * pf.GIB, 0), 27, 0)
+    assert grow.temp_bytes == 28 * pf.GIB  # growing temporaries extrapolate as before

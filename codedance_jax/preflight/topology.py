@@ -285,6 +285,13 @@ def extrapolate(base: Report, plus_text: Report, plus_vision: Report, more_text:
     vals = {f: (v if isinstance(getattr(base, f), float) else int(v)) for f, v in vals.items()}
     note = (f"extrapolated linearly in depth from compiles at +0/+1 layers (+{more_text} text layers, "
             f"+{more_vision} vision blocks)")
+    # One layer's transient working set (attention scores of a whole chunk) is there at any depth: where
+    # the compiler's temporaries fell from one depth point to the next, the line would go below it.
+    floor = max(base.temp_bytes, plus_text.temp_bytes, plus_vision.temp_bytes)
+    if vals["temp_bytes"] < floor:
+        note += (f"; temporaries fell with depth ({base.temp_bytes / GIB:.2f} -> {plus_text.temp_bytes / GIB:.2f} GiB), "
+                 f"so they are kept at the depth points' largest, not the line's {vals['temp_bytes'] / GIB:.2f}")
+        vals["temp_bytes"] = floor
     rep = dataclasses.replace(base, **vals, note="; ".join(x for x in (base.note, note) if x))
     rep.largest = plus_text.largest
     return rep
