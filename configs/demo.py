@@ -1,6 +1,6 @@
 r"""The end-to-end demo on the toy world: world -> SFT -> eval -> GRPO (R_BAT) -> eval -> report.
 
-  python -m launch.demo --workdir=/tmp/codedance_demo                     # ~15 min on 2 CPU cores
+  python -m launch.demo --workdir=/tmp/codedance_demo                     # ~10 min on 2 CPU cores
   python -m launch.demo --workdir=/tmp/demo_mini --config=configs/demo.py:mini   # seconds-scale (tests)
 
 The demo is three complete run configs built from the SFT and GRPO ones (as big_vision configs
