@@ -88,7 +88,8 @@ def test_demo_mini_writes_the_report(tmp_path):
     _launch("ablate", tmp_path, "--modes=full", "--presets=release", "--seeds=5")
     results = json.loads((tmp_path / "ablation.json").read_text())
     run = "full@release/seed5"
-    assert list(results) == ["sft", "sft_sampled", run, f"{run}_sampled", f"{run}_drift", "table", "seconds"]
+    assert list(results) == ["sft", "sft_sampled", run, f"{run}_sampled", f"{run}_drift", "rows", "table", "seconds"]
+    assert results["rows"][-1] == ["R_BAT (full), release preset, sampled (k=2)", [f"{run}_sampled"]]
     assert [r["step"] for r in results[f"{run}_drift"]] == [1, 2]
     assert results[run]["kl_to_sft"] == results[f"{run}_drift"][-1]["kl_k3"] >= 0
     assert results["table"]["R_BAT (full), release preset"]["kl_to_sft"]["n"] == 1
