@@ -412,6 +412,11 @@ def ablate(c, workdir: str, modes=tuple(table3.MODE_NAMES), *, seeds=(), presets
         results["seconds"] = seconds
     seed_text = f"seeds {', '.join(map(str, seeds))}" if seeds else f"seed {c.grpo.seed}"
     md = table3.markdown(entries, title=f"Table 3 on the toy world ({c.grpo.total_steps} GRPO steps per run, {seed_text})")
+    return _write_table(workdir, md, results)
+
+
+def _write_table(workdir: str, md: str, results: dict) -> dict:
+    """WORKDIR/ablation.md and ablation.json; the table printed."""
     with open(os.path.join(workdir, "ablation.md"), "w") as f:
         f.write(md)
     with open(os.path.join(workdir, "ablation.json"), "w") as f:
@@ -451,11 +456,5 @@ def ablate_worlds(c, workdir: str, worlds, modes=tuple(table3.MODE_NAMES), **kw)
     seeds = kw.get("seeds") or (c.grpo.seed,)
     title = (f"Table 3 on the toy world ({c.grpo.total_steps} GRPO steps per run; world seeds "
              f"{', '.join(map(str, worlds))} x GRPO seeds {', '.join(map(str, seeds))})")
-    md = table3.markdown(entries, title=title)
     out = {"worlds": per_world, "table": {label: table3.aggregate(runs) for label, runs in entries}}
-    with open(os.path.join(workdir, "ablation.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(workdir, "ablation.json"), "w") as f:
-        json.dump(out, f, indent=2)
-    print(md, flush=True)
-    return out
+    return _write_table(workdir, table3.markdown(entries, title=title), out)
