@@ -84,9 +84,7 @@ def main(argv):
     if f.dry_run:
         import json
 
-        from runs.demo.pipeline import ablation_plan
-
-        from runs.demo.pipeline import world_config
+        from runs.demo.pipeline import ablation_plan, world_config
 
         for w in f.worlds or [None]:
             c = f.config if w is None else world_config(f.config, int(w))

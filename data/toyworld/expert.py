@@ -27,8 +27,9 @@ The templates are short and fixed so that a ~1M-parameter model can learn them i
 steps: one shared 4-line head, no RGB literals (colours are named, `ImageColor.getrgb('red')`, which
 is exact because `tasks.PALETTE` holds PIL's values for those names), hardly any digits (digits are
 single tokens, and long digit strings are what a tiny model garbles). The only variable parts are
-words: the colour (and kind, for `count_target` questions) copied from a hard count question, and the colour list of `bars` (the
-seven palette names for hard items, the question's 'red', 'blue' for easy ones). Bugs are chosen whose
+words: the colour (and kind, for `count_target` questions) copied from a hard count question,
+and the colour list of `bars` (the seven palette names for hard items, the question's 'red',
+'blue' for easy ones). Bugs are chosen whose
 traceback stays inside the cell: a wrong file name would print the sandbox machine's
 site-packages path (PIL raises it), which would make the data machine-dependent.
 
