@@ -123,17 +123,12 @@ def sampling_mesh_of(config):
 
 
 def on_sampling_mesh(model, mesh):
-    """`model` with its parameters placed for the sampling mesh (`placement.sampling_params`, device
-    to device; split over `tensor` by the logical axes of `sharding.DEFAULT_RULES`, the table the
-    checkpoint was loaded with). The caller rebinds its name to the result: the loaded arrays are
-    then unreferenced and freed, one copy of the policy stays."""
-    from flax import nnx
+    """`model` with its parameters placed for the sampling mesh (`placement.sampling_model`; split over
+    `tensor` by the logical axes of `sharding.DEFAULT_RULES`, the table the checkpoint was loaded
+    with). The caller rebinds its name to the result, so the loaded copy is freed."""
+    from codedance_jax.rollout.placement import sampling_model
 
-    from codedance_jax.rollout.placement import sampling_params
-
-    graphdef, state = nnx.split(model)
-    del model
-    return nnx.merge(graphdef, sampling_params(state, mesh))
+    return sampling_model(model, mesh)
 
 
 def _write_tool_use(workdir: str) -> None:

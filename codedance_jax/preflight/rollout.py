@@ -53,6 +53,7 @@ from codedance_jax.model.config import ModelConfig
 from codedance_jax.preflight import topology as pf
 from codedance_jax.rollout.config import RolloutConfig
 from codedance_jax.rollout.device_batch import RowPlacement
+from codedance_jax.rollout.placement import sampler_spec
 from codedance_jax.rollout.sampler import Sampler, SamplingConfig, StopTable
 from codedance_jax.rollout.shapes import rollout_plan
 from codedance_jax.train import flops
@@ -191,16 +192,10 @@ def sampler_param_shardings(params, mesh: jax.sharding.Mesh, rules=None):
     `placement.sampling_params` places it: the logical axes through the trainer's rules with every
     target but `tensor` removed (no fsdp, no data split of weights), a dimension that `tensor` does
     not divide replicated; replicated when the mesh's tensor axis is 1."""
-    table = []
-    for name, target in sharding.DEFAULT_RULES if rules is None else rules:
-        targets = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
-        table.append((name, "tensor" if "tensor" in targets else None))
-
     def one(v):
-        axes = v.get_metadata().get("out_sharding") if isinstance(v, nnx.Variable) else None
-        if not axes or mesh.shape.get("tensor", 1) == 1:
+        if not isinstance(v, nnx.Variable) or mesh.shape.get("tensor", 1) == 1:
             return NamedSharding(mesh, PartitionSpec())
-        return sharding.named_sharding(mesh, axes, tuple(table), v.shape)
+        return NamedSharding(mesh, sampler_spec(v, mesh, rules))
 
     return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

@@ -139,6 +139,15 @@ def sampling_params(params, mesh: jax.sharding.Mesh, rules=None):
     return jax.tree.unflatten(treedef, out)
 
 
+def sampling_model(model, mesh: jax.sharding.Mesh, rules=None):
+    """`model` (an NNX module) with its parameters placed for `mesh` by `sampling_params`. The caller
+    rebinds its name to the result: the loaded arrays are then unreferenced and freed, and one copy
+    of the policy stays."""
+    graphdef, state = nnx.split(model)
+    del model
+    return nnx.merge(graphdef, sampling_params(state, mesh, rules))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """How `sampling_params` moves each leaf (indices into the flat leaves)."""
@@ -153,7 +162,7 @@ def _plan(params, mesh: jax.sharding.Mesh, rules) -> _Plan:
     leaves = jax.tree.leaves(params)
     if mesh.shape.get("tensor", 1) == 1:
         return _Plan([NamedSharding(mesh, PartitionSpec())] * len(leaves), replicate=list(range(len(leaves))))
-    targets = [NamedSharding(mesh, _tensor_spec(v, mesh, rules))
+    targets = [NamedSharding(mesh, sampler_spec(v, mesh, rules))
                for v in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))]
     if len(targets) != len(leaves):
         raise TypeError("sampling_params: each nnx.Variable must hold one array")
@@ -227,11 +236,12 @@ def _replicated(leaves: list, mesh: jax.sharding.Mesh) -> list:
     return out
 
 
-def _tensor_spec(leaf, mesh: jax.sharding.Mesh, rules) -> PartitionSpec:
+def sampler_spec(leaf, mesh: jax.sharding.Mesh, rules=None) -> PartitionSpec:
     """A parameter's PartitionSpec on a sampling mesh: its logical axes through `rules` with every
     target but `tensor` removed (no fsdp, and no data sharding of weights: each data slice runs the
     whole policy), dimensions that `tensor` does not divide replicated (`sharding.fit_spec`). A leaf
-    without logical axes (not an `nnx.Variable`) is replicated."""
+    without logical axes (not an `nnx.Variable`) is replicated. (The pod preflight sizes the sampler's
+    copy with it too.)"""
     axes = leaf.get_metadata().get("out_sharding") if isinstance(leaf, nnx.Variable) else None
     if not axes:
         return PartitionSpec()

@@ -85,10 +85,8 @@ class ServeConfig:
 def sampling_layout(model, cfg: ServeConfig):
     """(the sampling mesh or None, `model` placed for it): `cfg.mesh_data` x `mesh_tensor` of this
     process's devices. A one-device mesh (the default) leaves the model where it was loaded (None)."""
-    from flax import nnx
-
     from codedance_jax.errors import ConfigError
-    from codedance_jax.rollout.placement import sampling_mesh, sampling_params
+    from codedance_jax.rollout.placement import sampling_mesh, sampling_model
 
     try:
         mesh = sampling_mesh(cfg.mesh_data, cfg.mesh_tensor)
@@ -96,9 +94,7 @@ def sampling_layout(model, cfg: ServeConfig):
         raise ConfigError(e.message.replace("config.rollout.", "--"), e.fix.replace("config.rollout.", "--")) from None
     if mesh.size == 1:
         return None, model
-    graphdef, state = nnx.split(model)
-    del model  # the loaded arrays are freed once placed: one copy of the policy stays
-    return mesh, nnx.merge(graphdef, sampling_params(state, mesh))
+    return mesh, sampling_model(model, mesh)  # the loaded arrays are freed once placed
 
 
 class Server:

@@ -77,11 +77,9 @@ def evaluate_policy(c, workdir: str, policy: str, out_dir: str, pool, *, sampled
     """Rollouts of the held-out split, greedy (one per item) or sampled (`eval.samples` per item at
     `eval.temperature`); writes trajectories.jsonl (+ `text`, `meta`) and summary.json (the rates'
     95% intervals included)."""
-    from flax import nnx
-
     import codedance_jax
     from codedance_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig, save_jsonl
-    from codedance_jax.rollout.placement import sampling_params
+    from codedance_jax.rollout.placement import sampling_model
     from data.rl_prompts import read_prompts_jsonl
     from eval.rollouts import evaluate
     from runs import setup
@@ -99,8 +97,7 @@ def evaluate_policy(c, workdir: str, policy: str, out_dir: str, pool, *, sampled
     # On the host's sampling mesh, placed as the GRPO run places its policy: the evaluations and the
     # GRPO rollouts then share their compiled programs (the GRPO warm-up finds them compiled).
     mesh = rollout_mesh(c.grpo)
-    graphdef, state = nnx.split(model)
-    model = nnx.merge(graphdef, sampling_params(state, mesh, setup.sharding_rules(c.grpo)))
+    model = sampling_model(model, mesh, setup.sharding_rules(c.grpo))
     rcfg = RolloutConfig.eval(**e.rollout, policy=policy)
     if sampled:
         sampling = SamplingConfig(temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, seed=e.seed)
