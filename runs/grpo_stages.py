@@ -171,10 +171,12 @@ def rollout_model(mdef, params, sampling_mesh=None, rules=None, *, own: bool = F
     """The policy as a module for the rollout engine: the trainer's parameters placed for the host's
     sampling mesh (`rollout.placement.sampling_params`: replicated over this host's devices, or split
     over its `tensor` axis as the run's sharding `rules` ask, moved device to device; with several
-    processes gathered over the global mesh first). Without a sampling mesh, the trainer's arrays
-    themselves. `own`: no leaf shares a device buffer with `params` (those that would are copied
+    processes gathered over the global mesh first), in the model's compute dtype (float32 weights of
+    a bfloat16 model as bfloat16: the same outputs, `placement.sampler_dtype`). Without a sampling
+    mesh, the trainer's arrays themselves. `own`: no leaf shares a device buffer with `params` (those that would are copied
     device to device), so the update may donate `params` while this model samples (`async_rollout`)."""
-    placed = params if sampling_mesh is None else sampling_params(params, sampling_mesh, rules)
+    placed = params if sampling_mesh is None else sampling_params(params, sampling_mesh, rules,
+                                                                  compute_dtype=mdef.cfg.compute_dtype)
     if own:
         placed = own_copy(placed, params)
     return mdef.model(placed)

@@ -73,13 +73,15 @@ def test_blocked_causal_attention_equals_one_block_in_values_and_gradients(kind,
         assert float(jnp.abs(g1).max()) > 1e-4
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["per_head", "grouped"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 2), (4, 4)])
-def test_one_token_decode_step_equals_plain_attention_over_the_cache(heads, kv_heads):
+def test_one_token_decode_step_equals_plain_attention_over_the_cache(heads, kv_heads, grouped):
     """A one-token step against a cache takes each KV head's query heads one at a time (M = 1
-    products); the result is plain softmax attention over the valid slots, per head."""
+    products; XLA CPU) or together (one M = G product; TPU, `grouped_decode`); either way the result
+    is plain softmax attention over the valid slots, per head."""
     cfg = TextConfig(vocab_size=64, hidden_size=8 * heads, intermediate_size=48, num_hidden_layers=1,
                      num_attention_heads=heads, num_key_value_heads=kv_heads, mrope_section=(1, 1, 2))  # head_dim 8
-    attn = text.Attention(cfg, dtype=jnp.float32, rngs=nnx.Rngs(1))
+    attn = text.Attention(cfg, dtype=jnp.float32, rngs=nnx.Rngs(1), grouped_decode=grouped)
     rng = np.random.default_rng(heads * 10 + kv_heads)
     b, s, index, h = 5, 24, 17, cfg.head_dim
     x = jnp.asarray(rng.normal(size=(b, 1, cfg.hidden_size)), jnp.float32)
@@ -109,3 +111,36 @@ def test_one_token_decode_step_equals_plain_attention_over_the_cache(heads, kv_h
     want = ref.reshape(b, 1, heads * h) @ np.asarray(attn.o_kernel.value).reshape(heads * h, cfg.hidden_size)
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
     assert float(np.abs(want).max()) > 1e-3
+
+
+def test_cached_chunk_in_query_blocks_equals_one_block(monkeypatch):
+    """A chunk appended over a cache goes EXTEND_BLOCK queries at a time (`lax.map`) when it is a
+    multiple of the block: the values of one block over all slots, every head, holes in the cache."""
+    cfg = TextConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                     num_attention_heads=4, num_key_value_heads=2, mrope_section=(1, 1, 2))
+    attn = text.Attention(cfg, dtype=jnp.float32, rngs=nnx.Rngs(2))
+    rng = np.random.default_rng(6)
+    b, t, s, index, h = 3, 24, 40, 11, cfg.head_dim
+    x = jnp.asarray(rng.normal(size=(b, t, cfg.hidden_size)), jnp.float32)
+    ang = rng.normal(size=(b, t, h // 2))
+    cos = jnp.asarray(np.cos(np.concatenate([ang, ang], -1)), jnp.float32)
+    sin = jnp.asarray(np.sin(np.concatenate([ang, ang], -1)), jnp.float32)
+    cache = tuple(jnp.asarray(rng.normal(size=(b, 2, s, h)), jnp.float32) for _ in range(2))
+    valid = rng.random((b, s)) < 0.6
+    valid[:, index:index + t] = rng.random((b, t)) < 0.8  # ragged chunk rows
+    mask = text.cache_mask(jnp.asarray(valid), index, t)
+
+    def run(block):
+        monkeypatch.setattr(text, "EXTEND_BLOCK", block)  # read when the function is traced
+        return jax.jit(lambda x: attn(x, cos, sin, mask, cache, index))(x)
+
+    out_b, kv_b = run(8)  # three blocks
+    out_1, kv_1 = run(t)  # one block: the chunk's scores at once
+    np.testing.assert_allclose(out_b, out_1, rtol=1e-5, atol=1e-6)
+    for a, c in zip(kv_b, kv_1, strict=True):
+        np.testing.assert_array_equal(a, c)
+    assert float(jnp.abs(out_1).max()) > 1e-3
+    jaxpr = lambda: str(jax.make_jaxpr(lambda x: attn(x, cos, sin, mask, cache, index))(x))  # noqa: E731
+    assert "scan" not in jaxpr()  # one block: no loop
+    monkeypatch.setattr(text, "EXTEND_BLOCK", 8)
+    assert "scan" in jaxpr()  # the blocks ran as a loop (`lax.map`)

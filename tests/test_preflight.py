@@ -283,3 +283,19 @@ def test_extrapolated_temporaries_never_fall_below_a_depth_point():
     assert out.temp_bytes == 40 * pf.GIB and out.argument_bytes == 10 + 27 * 10 + 31 * 1
     grow = pf.extrapolate(rep(1 * pf.GIB, 0), rep(2 * pf.GIB, 0), rep(1 * pf.GIB, 0), 27, 0)
     assert grow.temp_bytes == 28 * pf.GIB  # growing temporaries extrapolate as before
+
+
+def test_extrapolated_temporaries_take_the_increment_past_the_first_layer():
+    """With a compile two text layers up, the temporaries grow by the 2 -> 3 layer increment: flat
+    past the first layer (the 7B append: 8.75, 10.63, 10.63 GiB) stays flat; growing grows."""
+    def rep(temp, args=0):
+        return pf.Report("f", 4, 16 * pf.GIB, args, 0, 0, temp, 0, 0.0, 0.0, 0.0, 1.0)
+
+    flat = pf.extrapolate(rep(8 * pf.GIB, 10), rep(10 * pf.GIB, 20), rep(8 * pf.GIB, 11), 27, 31,
+                          plus_text2=rep(10 * pf.GIB, 30))
+    assert flat.temp_bytes == 10 * pf.GIB and flat.argument_bytes == 10 + 27 * 10 + 31 * 1
+    grow = pf.extrapolate(rep(1 * pf.GIB), rep(3 * pf.GIB), rep(1 * pf.GIB), 27, 0, plus_text2=rep(4 * pf.GIB))
+    assert grow.temp_bytes == (3 + 26) * pf.GIB
+    vision = pf.extrapolate(rep(1 * pf.GIB), rep(2 * pf.GIB), rep(1.5 * pf.GIB), 2, 2, plus_text2=rep(2 * pf.GIB))
+    assert vision.temp_bytes == int(2 * pf.GIB + 2 * 0.5 * pf.GIB)
+    assert "+1/+2 layer" in flat.note

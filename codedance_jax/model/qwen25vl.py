@@ -99,7 +99,9 @@ class Qwen25VL(nnx.Module):
         self.visual = vision.VisionTower(cfg.vision, dtype=wd, remat=cfg.remat, flash_attention=cfg.attention == "flash",
                                           rngs=rngs)
         self.embed = param(rngs, (t.vocab_size, t.hidden_size), ("vocab", "embed"), wd)
-        self.layers = nnx.List([text.DecoderLayer(t, dtype=wd, rngs=rngs) for _ in range(t.num_hidden_layers)])
+        # attention="flash" is the TPU's choice ("auto" there): its decode also takes the TPU's product.
+        self.layers = nnx.List([text.DecoderLayer(t, dtype=wd, rngs=rngs, grouped_decode=cfg.attention == "flash")
+                                for _ in range(t.num_hidden_layers)])
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps, "embed", dtype=wd)
         self.lm_head = None if t.tie_word_embeddings else param(rngs, (t.hidden_size, t.vocab_size), ("embed", "vocab"), wd)
 

@@ -20,10 +20,13 @@ from codedance_jax.model.layers import RMSNorm, SwiGLU, masked_softmax, matmul, 
 
 # Query rows per causal block of the cache-free forward (see `Attention._attend_heads_major`).
 CAUSAL_BLOCK = 64
+# Query tokens per step of a chunk's attention over a cache (an observation appended mid-trajectory),
+# one step after another (`Attention._attend_cache_blocks`).
+EXTEND_BLOCK = 64
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs, grouped_decode: bool = False):
         d, n, k, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_kernel = param(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), dtype)
         self.q_bias = param(rngs, (n, h), ("q_heads", "head_dim"), dtype, init="zeros")
@@ -34,6 +37,11 @@ class Attention(nnx.Module):
         self.o_kernel = param(rngs, (n, h, d), ("q_heads", "head_dim", "embed"), dtype)
         self.groups = n // k
         self.scale = h**-0.5
+        # A decode step's G query heads of a KV head: one M = G product (TPU), or G products of M = 1
+        # (XLA CPU; see `_attend_heads_major`). The TPU compiler rewrites an M = 1 product into a
+        # multiply and a reduction over an f32 copy of the cache: f32[256, 1, 9216, 128], 1.12 GiB
+        # per layer and chip in the 7B rollout's decode (issue 37's preflight).
+        self.grouped_decode = grouped_decode
 
     def __call__(self, x_btd, cos_bth, sin_bth, mask_bts, kv_cache=None, index=None, fresh=False):
         """Returns (out [B, T, D], (k, v) heads-major [B, K, T or S, H]); with kv_cache=(k [B, K, S, H], v)
@@ -80,7 +88,7 @@ class Attention(nnx.Module):
         b, t, n, h = q.shape
         kh, g, s = n // self.groups, self.groups, k.shape[2]
         q5 = q.reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
-        if t == 1 and g > 1:
+        if t == 1 and g > 1 and not self.grouped_decode:
             # A one-token decode step: each of a KV head's G query heads alone (M = 1 products).
             # XLA CPU runs a [B, K] batch of M = 1 products as fused multiply-reduces, but a batch
             # of M = G = 2 or 4 ones through its generic batched matmul, which was slower although
@@ -89,6 +97,8 @@ class Attention(nnx.Module):
             # 8 rows x 1024; in a 16-step loop, min of 8).
             o = jnp.concatenate([self._attend_rows(q5[:, :, i], k, v, mask_bts[:, None], s) for i in range(g)], axis=2)
             return o.reshape(b, t, n, h)  # [B, K, G, H]: heads (k, g) in the order of q's N
+        if not causal and t > EXTEND_BLOCK and t % EXTEND_BLOCK == 0:
+            return self._attend_cache_blocks(q5, k, v, mask_bts)
         step = CAUSAL_BLOCK if causal and t == s else t
         outs = []
         for lo in range(0, t, step):
@@ -101,6 +111,25 @@ class Attention(nnx.Module):
         o = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
         return o.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
+    def _attend_cache_blocks(self, q5, k, v, mask_bts):
+        """A chunk of T queries [B, K, G, T, H] against the whole cache [B, K, S, H], EXTEND_BLOCK
+        queries at a time in a loop (`lax.map`), so one block's f32 scores [B, K, G*EXTEND_BLOCK, S]
+        are the working set, not the chunk's. In the 7B rollout's append of a 1024-token observation
+        over 256 rows and 9,216 slots, the whole chunk's scores were 63 GiB per chip (issue 37's
+        preflight); each query row's softmax is over the same keys either way."""
+        b, kh, g, t, h = q5.shape
+        s, blk = k.shape[2], EXTEND_BLOCK
+        q6 = q5.reshape(b, kh, g, t // blk, blk, h)
+
+        def block(i):
+            qb = jax.lax.dynamic_index_in_dim(q6, i, axis=3, keepdims=False).reshape(b, kh, g * blk, h)
+            m = jax.lax.dynamic_slice_in_dim(mask_bts, i * blk, blk, axis=1)  # [B, blk, S]
+            m = jnp.broadcast_to(m[:, None], (b, g, blk, s)).reshape(b, 1, g * blk, s)
+            return self._attend_rows(qb, k, v, m, s).reshape(b, kh, g, blk, h)
+
+        o = jax.lax.map(block, jnp.arange(t // blk))  # [T/blk, B, K, G, blk, H]
+        return o.transpose(1, 0, 4, 2, 3, 5).reshape(b, t, kh * g, h)
+
     def _attend_rows(self, q_brh, k, v, mask_b1rs, end: int):
         """Query rows [B, K, R, H] against the first `end` slots of keys and values [B, K, S, H]."""
         logits = jnp.einsum("bkth,bksh->bkts", q_brh, k[:, :, :end]).astype(jnp.float32) * self.scale
@@ -109,9 +138,9 @@ class Attention(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs, grouped_decode: bool = False):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", dtype=dtype)
-        self.attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.attn = Attention(cfg, dtype=dtype, rngs=rngs, grouped_decode=grouped_decode)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", dtype=dtype)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, ("embed", "mlp"), bias=False, dtype=dtype, rngs=rngs)
 

@@ -254,8 +254,10 @@ def compile_plan(plan: Plan) -> list[pf.Report]:
             for e in plan.entries]
 
 
-# Base depth and the two one-layer steps that measure a text layer's and a vision block's share.
-DEPTH_POINTS = ((1, 1), (2, 1), (1, 2))
+# Base depth and the two one-layer steps that measure a text layer's and a vision block's share; the
+# last, two text layers up, measures the temporaries' per-layer share past the first layer
+# (`topology.extrapolate`'s plus_text2).
+DEPTH_POINTS = ((1, 1), (2, 1), (1, 2), (3, 1))
 
 
 def compile_extrapolated(make_plan, text_layers: int, vision_depth: int, log=print, *,
@@ -274,8 +276,8 @@ def compile_extrapolated(make_plan, text_layers: int, vision_depth: int, log=pri
         runs.append(compile_plan(plan))
         log(pf.format_table(runs[-1], plan.topology))
     out = []
-    for base, text1, vis1 in zip(*runs, strict=True):
-        out.append(pf.extrapolate(base, text1, vis1, text_layers - 1, vision_depth - 1))
+    for base, text1, vis1, text2 in zip(*runs, strict=True):
+        out.append(pf.extrapolate(base, text1, vis1, text_layers - 1, vision_depth - 1, plus_text2=text2))
     if cfg is not None:
         v = cfg.vision
         missing = _full_blocks(v) - 1

@@ -53,7 +53,7 @@ from codedance_jax.model.config import ModelConfig
 from codedance_jax.preflight import topology as pf
 from codedance_jax.rollout.config import RolloutConfig
 from codedance_jax.rollout.device_batch import RowPlacement
-from codedance_jax.rollout.placement import sampler_spec
+from codedance_jax.rollout.placement import sampler_dtype, sampler_spec
 from codedance_jax.rollout.sampler import Sampler, SamplingConfig, StopTable
 from codedance_jax.rollout.shapes import rollout_plan
 from codedance_jax.train import flops
@@ -201,11 +201,16 @@ def sampler_param_shardings(params, mesh: jax.sharding.Mesh, rules=None):
 
 
 def _sampler_model(mcfg: ModelConfig, mesh, rules):
-    """The policy as the engine gets it on `mesh` (param dtype: the trainer's arrays, placed)."""
+    """The policy as the engine gets it on `mesh`: the trainer's arrays placed, in the compute dtype
+    (`placement.sampler_dtype`: float32 weights of a bfloat16 model are cast before they move)."""
     mdef, params = st.abstract_params(mcfg)
     shardings = sampler_param_shardings(params, mesh, rules)
-    values = jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, params,
-                          is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    def value(v):
+        x = v.get_value() if isinstance(v, nnx.Variable) else v
+        return jax.ShapeDtypeStruct(x.shape, sampler_dtype(x.dtype, mcfg.compute_dtype))
+
+    values = jax.tree.map(value, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     return mdef.model(pf.abstract(values, shardings))
 
 
@@ -350,7 +355,7 @@ def rollout_calls(config, mcfg: ModelConfig, devices, rollout_chips: int = 0, te
     calls = []
     for length in prompt_buckets:
         calls.append(RolloutCall(f"rollout.prefill@{length}", generate.extend_jit, (model, small, *chunk(n, length), feats_p),
-                                 {"last_only": True}, fwd_flops(n, length), cache_note, held_cache))
+                                 {"last_only": True, "fresh": True}, fwd_flops(n, length), cache_note, held_cache))
     i32_b = _abstract(jax.ShapeDtypeStruct((b,), jnp.int32), rows())
     on_b = _abstract(jax.ShapeDtypeStruct((b,), jnp.bool_), rows())
     calls.append(RolloutCall("rollout.share_prompts", generate.broadcast_rows, (small, logits_n, i32_b, on_b), {}, 0.0,

@@ -278,22 +278,34 @@ LINEAR_FIELDS = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", 
                  "model_flops", "optimal_seconds", "bytes_accessed", "resident_bytes", "uncounted_seconds")
 
 
-def extrapolate(base: Report, plus_text: Report, plus_vision: Report, more_text: int, more_vision: int) -> Report:
-    """base + more_text x (one text layer's increment) + more_vision x (one vision block's), field by field."""
+def extrapolate(base: Report, plus_text: Report, plus_vision: Report, more_text: int, more_vision: int,
+                plus_text2: Report | None = None) -> Report:
+    """base + more_text x (one text layer's increment) + more_vision x (one vision block's), field by field.
+
+    plus_text2 (a compile with two text layers more than base): the temporaries' text-layer increment
+    is taken between the two deeper points instead. A one-layer program has nothing live from one
+    layer to the next, so its first increment can be a one-off: the 7B append's temporaries went
+    8.75 -> 10.63 -> 10.63 -> 10.63 GiB at 1-4 layers (issue 37), where the 1 -> 2 line said 59 GiB."""
     vals = {f: getattr(base, f) + more_text * (getattr(plus_text, f) - getattr(base, f))
             + more_vision * (getattr(plus_vision, f) - getattr(base, f)) for f in LINEAR_FIELDS}
-    vals = {f: (v if isinstance(getattr(base, f), float) else int(v)) for f, v in vals.items()}
     note = (f"extrapolated linearly in depth from compiles at +0/+1 layers (+{more_text} text layers, "
             f"+{more_vision} vision blocks)")
+    if plus_text2 is not None and more_text >= 1:
+        per_layer = plus_text2.temp_bytes - plus_text.temp_bytes
+        vals["temp_bytes"] = (plus_text.temp_bytes + (more_text - 1) * per_layer
+                              + more_vision * (plus_vision.temp_bytes - base.temp_bytes))
+        note += f"; temporaries from the +1/+2 layer compiles ({per_layer / GIB:+.2f} GiB per text layer)"
+    vals = {f: (v if isinstance(getattr(base, f), float) else int(v)) for f, v in vals.items()}
     # One layer's transient working set (attention scores of a whole chunk) is there at any depth: where
     # the compiler's temporaries fell from one depth point to the next, the line would go below it.
-    floor = max(base.temp_bytes, plus_text.temp_bytes, plus_vision.temp_bytes)
+    points = (base, plus_text, plus_vision) + ((plus_text2,) if plus_text2 is not None else ())
+    floor = max(p.temp_bytes for p in points)
     if vals["temp_bytes"] < floor:
         note += (f"; temporaries fell with depth ({base.temp_bytes / GIB:.2f} -> {plus_text.temp_bytes / GIB:.2f} GiB), "
                  f"so they are kept at the depth points' largest, not the line's {vals['temp_bytes'] / GIB:.2f}")
         vals["temp_bytes"] = floor
     rep = dataclasses.replace(base, **vals, note="; ".join(x for x in (base.note, note) if x))
-    rep.largest = plus_text.largest
+    rep.largest = (plus_text2 or plus_text).largest
     return rep
 
 

@@ -7,6 +7,8 @@ compiled after the warm-up on a data x tensor mesh; the placement in the stats; 
 `rollout.mesh_data` / `mesh_tensor` checked against the devices and `rollout.batch_multiple`.
 (The GRPO loop's own rollouts over 8 devices: tests/train/test_grpo_loop.py.)"""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,7 @@ from rollout_helpers import random_image, small_config
 
 from codedance_jax import sharding
 from codedance_jax.errors import ConfigError
+from codedance_jax.model.qwen25vl import Qwen25VL
 from codedance_jax.rollout import RolloutEngine, SamplingConfig, rl_prompt
 from codedance_jax.rollout.device_batch import RowPlacement
 from codedance_jax.rollout.placement import sampling_mesh, sampling_params
@@ -162,6 +165,32 @@ def test_greedy_rollouts_are_the_same_on_every_sampling_mesh(model, processor):
     for n, (trajs, _) in runs.items():
         np.testing.assert_allclose(sum((t.logprobs for t in trajs), []), sum((t.logprobs for t in base), []),
                                    atol=1e-5, err_msg=str(n))
+
+
+def test_a_bfloat16_models_sampler_holds_bfloat16_weights_and_samples_the_same(model, processor):
+    """float32 weights of a bfloat16-compute model are cast on the trainer's shards before they move
+    (`placement.sampler_dtype`): the sampler holds half the bytes, no host transfer, and its
+    trajectories are the float32 copy's bit for bit (every use casts a weight to the compute dtype)."""
+    cfg = dataclasses.replace(model.cfg, dtype="bfloat16")
+    _, state = nnx.split(model)
+    bdef, _ = nnx.split(Qwen25VL(cfg, rngs=nnx.Rngs(0)))
+    trainer = jax.device_put(state, sharding.param_shardings(state, sharding.make_mesh(2, 2, 2))[0])
+    mesh = sampling_mesh(4, 2)
+    with jax.transfer_guard("disallow"):
+        cast = sampling_params(trainer, mesh, compute_dtype=jnp.bfloat16)
+    full = sampling_params(trainer, mesh)
+    for a, b in zip(jax.tree.leaves(cast), jax.tree.leaves(full), strict=True):
+        assert a.dtype == jnp.bfloat16 and b.dtype == jnp.float32 and a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(jnp.bfloat16)))
+    assert sampling_params(cast, mesh, compute_dtype=jnp.bfloat16)["embed"].get_value() is cast["embed"].get_value()
+    got = []
+    for params in (full, cast):
+        engine = RolloutEngine(nnx.merge(bdef, params), processor, small_config(), SamplingConfig(greedy=True), mesh=mesh)
+        got.append(engine.rollout(_prompts(processor, 1), group_size=2, sandbox=FakePool(delay_s=0.01),
+                                  script=lambda row, turn: CODE_IMG if turn == 0 and row % 3 == 0 else None)[0])
+    assert sum(t.num_executions for t in got[0]) > 0
+    assert [t.tokens for t in got[1]] == [t.tokens for t in got[0]]
+    assert [t.logprobs for t in got[1]] == [t.logprobs for t in got[0]]
 
 
 def test_sampled_rollouts_draw_the_same_tokens_on_every_sampling_mesh(model, processor):
