@@ -40,7 +40,7 @@ _BUCKET = flags.DEFINE_integer("bucket", -1, "which of the config's (tokens, ima
 _ALL_BUCKETS = flags.DEFINE_bool("all_buckets", False, "compile the training steps at every bucket of the "
                                    "config (the run's whole update plan; multi-host GRPO runs use only the unpacked "
                                    "layout compiled here), not only --bucket; the rollout once")
-_DEPTH = flags.DEFINE_bool("extrapolate_depth", False, "compile at 1-2 layers and extrapolate linearly to the "
+_DEPTH = flags.DEFINE_bool("extrapolate_depth", False, "compile at 1-3 layers and extrapolate linearly to the "
                            "model's depth (for machines where compiling the whole model takes too long)")
 _ONLY = flags.DEFINE_enum("only", "", ["", "train", "rollout"], "GRPO: compile only the training steps or only the "
                           "rollout engine's functions (default: both)")

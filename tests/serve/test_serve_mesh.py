@@ -3,7 +3,8 @@ process on the session's 8 CPU devices, behind uvicorn on 127.0.0.1 and called o
 `openai` client: three concurrent greedy completions are token for token the same on one device,
 on 4 devices (rows split over `data`) and on 2 x 2 (rows over 2, weights and KV cache split by
 heads over 2), with the parameters and the batcher's cache laid out as the mesh asks and row
-buckets that are multiples of `data`."""
+buckets that are multiples of `data`. Agent mode (code run in the sandbox, its image appended) gives
+one device's trajectory on 2 x 2, its engine's rows over `data`."""
 
 import threading
 import time
@@ -16,13 +17,13 @@ from jax.sharding import PartitionSpec
 QUESTIONS = ("What is a prime number?", "Name three colours of the sea, please.", "Why do we sleep?")
 
 
-def _serve(model, processor, **mesh):
+def _serve(model, processor, agent=False, **mesh):
     import uvicorn
 
     from codedance_jax.serve import ServeConfig, Server
     from codedance_jax.serve.server import bind
 
-    server = Server(model, processor, ServeConfig(agent=False, max_batch=8, max_context=512, decode_chunk=8, **mesh))
+    server = Server(model, processor, ServeConfig(agent=agent, max_batch=8, max_context=512, decode_chunk=8, **mesh))
     server.start()
     sock = bind("127.0.0.1", 0)
     uv = uvicorn.Server(uvicorn.Config(server.app, log_level="warning"))
@@ -100,3 +101,47 @@ def test_greedy_completions_are_the_same_on_every_sampling_mesh(tiny_ckpt):
         Server(model, processor, ServeConfig(agent=False, max_batch=6, mesh_data=4))
     with pytest.raises(ConfigError, match="--mesh_tensor=3"):
         Server(model, processor, ServeConfig(agent=False, mesh_data=-1, mesh_tensor=3))
+
+
+def test_agent_mode_gives_one_devices_trajectory_on_a_tensor_mesh(tiny_ckpt):
+    import base64
+    import io
+    import os
+
+    import openai
+    from PIL import Image
+
+    from codedance_jax.serve.server import load
+
+    if os.geteuid() != 0:
+        pytest.skip("the sandbox needs root")
+    model, processor = load(tiny_ckpt)
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(5).integers(0, 255, (60, 80, 3), dtype=np.uint8)).save(buf, format="PNG")
+    image = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    code = ("<think>crop</think>\n<code>\n```python\nfrom PIL import Image\nim = Image.open('image.png')\n"
+            "print(im.size[0] * im.size[1])\nim.crop((0, 0, 40, 30)).save('crop.png')\n```\n</code>")
+    runs = {}
+    for d, t in ((1, 1), (2, 2)):
+        server, url, close = _serve(model, processor, agent=True, mesh_data=d, mesh_tensor=t)
+        try:
+            client = openai.OpenAI(base_url=url, api_key="unused", timeout=600, max_retries=0)
+            r = client.chat.completions.create(
+                model="codedance-agent", temperature=0, max_tokens=120, logprobs=True,
+                messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
+                                                       {"type": "text", "text": "How many pixels?"}]}],
+                extra_body={"agent_script": [code], "max_turns": 2})
+            runs[d, t] = r.choices[0].trajectory
+            engines = list(server.agent._engines.values())
+            assert len(engines) == 1 and (engines[0].mesh is None) == (d * t == 1)
+            if d * t > 1:
+                assert dict(engines[0].mesh.shape) == {"data": d, "fsdp": 1, "tensor": t}
+        finally:
+            close()
+    base = runs[1, 1]
+    assert base["turns"][0]["status"] == "ok" and "4800" in base["turns"][0]["observation"]
+    assert len(base["turns"][0]["images"]) == 1 and len(base["turns"]) == 2  # the second turn was sampled
+    got = runs[2, 2]
+    assert got["turn_status"] == base["turn_status"]
+    assert [u["observation"] for u in got["turns"]] == [u["observation"] for u in base["turns"]]
+    assert got["turns"][1] == base["turns"][1]  # the policy's own turn after the image, token for token
