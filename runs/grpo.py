@@ -306,6 +306,7 @@ def run_evaluation(ctx: GRPOContext, run: setup.Run, engine: RolloutEngine, prom
     t0, c0 = time.perf_counter(), CompileCounter.total()
     engine.set_model(rollout_model(run.mdef, run.state.params, ctx.sampling_mesh, ctx.rules))
     res = evaluate(engine, prompts, ctx.pool, batch=int(ctx.config.eval.batch), keys=tuple(ctx.config.metric_keys))
+    engine.release()  # its own engine: the cache and weights are not kept through the next steps
     summary = {f"eval/{k}": v for k, v in res.summary.items()}
     summary["eval/time_s"] = time.perf_counter() - t0
     summary["eval/compilations"] = float(CompileCounter.total() - c0)
@@ -366,6 +367,9 @@ def warm_up(ctx: GRPOContext, run: setup.Run, eval_engine, eval_prompts: list) -
     evaluates = ctx.config.eval.every or ctx.config.eval.get("at_start", False)
     n_eval = min(len(eval_prompts), int(ctx.config.eval.batch or len(eval_prompts))) if evaluates else 0
     out = grpo_plan.warm_up(ctx, run, eval_engine, n_eval)
+    for engine in (ctx.engine, eval_engine):  # the warm-up's dummy batches and weights are not kept
+        if engine is not None:
+            engine.release()
     if ctx.host == 0:
         with open(os.path.join(ctx.workdir, "shape_plan.json"), "w") as f:
             json.dump({"programs": out["programs"], "compilations": out["compilations"], "seconds": out["seconds"]},
@@ -403,10 +407,12 @@ def train_step(ctx: GRPOContext, run: setup.Run, step: int, ckpt_s: float = 0.0,
         stages.save_trajectories(ctx, rollouts, step)
     t_traj = time.perf_counter() - t_traj
     batch = stages.old_logprobs(ctx, run, stages.batch(ctx, rollouts, scores, step))
+    rollouts = dataclasses.replace(rollouts, policy_model=None)  # its sampler copy, free once replaced
     if ahead is not None:
-        rollouts = dataclasses.replace(rollouts, policy_model=None)  # its sampler copy, free once replaced
         if step + 1 < config.total_steps:
             ahead.start(step + 1)
+    else:  # the update, then the next placement, get the chips without the rollout's cache and weights
+        ctx.engine.release()
     update = stages.update(ctx, run, batch, step)
     run.state = update.state
     row = metrics_row(prompts, rollouts, scores, batch, update, cfg=ctx.cfg, group_size=ctx.group_size,

@@ -6,6 +6,7 @@ sampled tokens to match: that checks at once that the cache held exactly `tokens
 appended mid-trajectory are in context, and that their M-RoPE positions equal a full recomputation.
 """
 
+import jax
 import numpy as np
 import pytest
 from fakes import FakePool
@@ -333,3 +334,24 @@ def test_a_growing_cache_takes_a_chunk_past_its_full_size_by_growing_then_compac
     eng._ensure_room(st, 300)  # 550 > 512: grow to 512, then compaction frees the holes
     assert batch.cache.max_len == 512 and batch.index == 0
     assert st.stats.cache_growths == 1 and st.stats.compactions == 1
+
+
+def test_release_drops_the_cache_and_weights_until_set_model(model, processor):
+    """Between GRPO steps the engine keeps no device arrays (`release`): the update and the next
+    placement get the chips' memory. Rolling out before `set_model` is a clear error; after it,
+    the trajectories are the unreleased engine's."""
+    eng = RolloutEngine(model, processor, small_config(), SamplingConfig(greedy=True))
+    prompts = make_prompts(processor, 2, seed=3)
+    before, _ = eng.rollout(prompts, 2)
+    assert eng.last_batch is not None and eng.sampler.state is not None
+    eng.release()
+    assert eng.last_batch is None and eng.sampler.state is None and eng.cache is None
+    assert not any(isinstance(x, jax.Array) for x in vars(eng.model).values())  # no parameter left
+    with pytest.raises(RuntimeError, match="set_model"):
+        eng.rollout(prompts, 2)
+    with pytest.raises(RuntimeError, match="set_model"):
+        eng.warm_up(2, 2)
+    eng.set_model(model)
+    after, _ = eng.rollout(prompts, 2)
+    assert [t.tokens for t in after] == [t.tokens for t in before]
+    assert [t.logprobs for t in after] == [t.logprobs for t in before]
