@@ -4,12 +4,13 @@
       --config=configs/grpo.py:qwen25vl_7b --topology=v5p:2x4x4 --tensor=4
 
 `placement.sampling_params` runs one jitted program per step over every process's devices: the
-trainer's parameters (fsdp over the slice) cast to the compute dtype and laid out on a "cover" mesh,
-the slice's devices in the trainer mesh's order shaped (n / tensor, 1, tensor), each leaf split over
-`tensor` as `sampler_spec` asks. This compiles that program at full depth on the slice's
+trainer's parameters (fsdp over the slice) cast to the compute dtype and laid out on a "cover" mesh
+(the slice's devices in the trainer mesh's order, reshaped), each leaf split over `tensor` as
+`sampler_spec` asks. This compiles that program at full depth on the slice's
 compile-only devices, with the trainer mesh in the device order a run builds (`sharding.make_mesh`:
-`jax.devices()`, by id), checks that the cover exists there (each host's chips keep their tensor
-index; else the placement gathers whole leaves first) and prints arguments, outputs and
+`jax.devices()`, by id), finds the placement's cover there (`placement._factor_cover`: a reshape of
+the device list on which each host's chips keep their tensor index; without one the placement
+gathers whole leaves first) and prints arguments, outputs and
 temporaries per chip beside HBM, with the trainer's optimizer state (held meanwhile) added. One slice
 per process (libtpu reads its environment once). Writes
 benchmarks/results/preflight/reshard_<chip>_<date>.json (or --out).
@@ -28,18 +29,22 @@ from ml_collections import config_flags  # noqa: E402
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/grpo.py:qwen25vl_7b", "a configs/grpo.py preset")
 _TOPOLOGY = flags.DEFINE_string("topology", "v5p:2x4x4", "TPU slice CHIP:AxB[xC]")
 _TENSOR = flags.DEFINE_integer("tensor", 4, "the sampling mesh's tensor size (chips of a host sharing the weights)")
+_CHUNK = flags.DEFINE_float("chunk_gib", -1.0, "compile the placement in programs of at most this many GiB of whole "
+                            "(sampler-dtype) leaves each and report the largest one's temporaries (-1: the "
+                            "placement's own PLACEMENT_CHUNK_BYTES; 0: one program)")
 _OUT = flags.DEFINE_string("out", "", "JSON path")
 
 
 def measure(config, topology: str, tensor: int) -> dict:
     import jax
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import Mesh
 
     from codedance_jax import sharding
     from codedance_jax.preflight import plan as plans
     from codedance_jax.preflight import rollout as pr
     from codedance_jax.preflight import topology as pf
+    from codedance_jax.rollout import placement
     from codedance_jax.rollout.placement import sampler_dtype
     from codedance_jax.train import optim
     from codedance_jax.train import state as st
@@ -55,28 +60,54 @@ def measure(config, topology: str, tensor: int) -> dict:
     hosts: dict = {}
     for d in devices:
         hosts.setdefault(d.process_index, []).append(d)
-    cover_ok = all(at[d] % tensor == p % tensor for hs in hosts.values() for p, d in enumerate(hs[:tensor]))
-    cover = Mesh(np.asarray(have).reshape(-1, 1, tensor), ("data", "fsdp", "tensor"))
+    # The placement's own cover (`placement._cover` for a run's processes): each host's first
+    # `tensor` chips, in the slice's order, at tensor index 0..tensor-1.
+    index = {at[d]: p for hs in hosts.values() for p, d in enumerate(hs[:tensor])}
+    cover = placement._factor_cover(tuple(have), index, tensor)
+    cover_ok = cover is not None
+    if cover is None:  # the program measured is then the simple reshape's, which the run cannot use
+        cover = Mesh(np.asarray(have).reshape(-1, 1, tensor), ("data", "fsdp", "tensor"))
     first = next(iter(hosts.values()))[:tensor]
-    host_mesh = Mesh(np.asarray(first).reshape(1, 1, tensor), cover.axis_names)
+    host_mesh = Mesh(np.asarray(first).reshape(1, 1, tensor), ("data", "fsdp", "tensor"))
     _, abstract = st.abstract_params(cfg)
     specs = jax.tree.leaves(pr.sampler_param_shardings(abstract, host_mesh, None))
     leaves = jax.tree.leaves(state.params)
     dtypes = [sampler_dtype(x.dtype, cfg.compute_dtype) for x in leaves]
-    outs = tuple(NamedSharding(cover, s.spec) for s in specs)
-    fn = jax.jit(lambda xs: tuple(x.astype(d) for x, d in zip(xs, dtypes, strict=True)), out_shardings=outs)
-    compiled = fn.lower(tuple(leaves)).compile()
-    mem = compiled.memory_analysis()
+    outs = tuple(placement._on_cover(cover, s.spec) for s in specs)
+    limit = placement.PLACEMENT_CHUNK_BYTES if _CHUNK.value < 0 else _CHUNK.value * 2**30
+    groups, size = [[]], 0
+    for i, (x, d) in enumerate(zip(leaves, dtypes, strict=True)):
+        b = int(np.prod(x.shape)) * np.dtype(d).itemsize
+        if limit and groups[-1] and size + b > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += b
+    args = out_b = temp = alias = 0
+    largest = []
+    for idx in groups:
+        ds = [dtypes[i] for i in idx]
+        fn = jax.jit(lambda xs, ds=ds: tuple(x.astype(d) for x, d in zip(xs, ds, strict=True)),
+                     out_shardings=tuple(outs[i] for i in idx))
+        compiled = fn.lower(tuple(leaves[i] for i in idx)).compile()
+        mem = compiled.memory_analysis()
+        args, out_b, alias = args + mem.argument_size_in_bytes, out_b + mem.output_size_in_bytes, alias + mem.alias_size_in_bytes
+        if mem.temp_size_in_bytes >= temp:
+            temp, largest = mem.temp_size_in_bytes, pf.largest_buffers(compiled.as_text())[:6]
     held = pr.per_chip_bytes(state) - pr.per_chip_bytes(state.params)  # the optimizer state, not an argument
     # Without a cover the placement makes every leaf whole on each sampling device first (`_replicated`).
     whole = sum(int(np.prod(x.shape)) * np.dtype(d).itemsize for x, d in zip(leaves, dtypes, strict=True))
-    total = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + held
+    # Every trainer shard (arguments, not donated) and every sampler shard (outputs, kept) at the end,
+    # with the largest program's temporaries: an upper bound on the peak.
+    total = args + temp + out_b - alias + held
     return {"topology": topology, "chips": len(devices), "hosts": len(hosts), "tensor": tensor, "cover_exists": cover_ok,
-            "argument_bytes": int(mem.argument_size_in_bytes), "output_bytes": int(mem.output_size_in_bytes),
-            "temp_bytes": int(mem.temp_size_in_bytes), "alias_bytes": int(mem.alias_size_in_bytes), "held_bytes": int(held),
+            "cover_mesh": {str(k): int(v) for k, v in cover.shape.items()},
+            "programs": len(groups), "chunk_bytes": int(limit),
+            "argument_bytes": int(args), "output_bytes": int(out_b),
+            "temp_bytes": int(temp), "alias_bytes": int(alias), "held_bytes": int(held),
             "total_bytes": int(total), "hbm_bytes": int(chip.hbm_bytes), "hbm_frac": total / chip.hbm_bytes,
             "whole_policy_bytes": int(whole),
-            "largest": [[int(b), k] for b, k in pf.largest_buffers(compiled.as_text())[:6]]}
+            "largest": [[int(b), k] for b, k in largest]}
 
 
 def main(argv):
@@ -87,10 +118,11 @@ def main(argv):
     pf.offline_tpu_env(topo)
     rows = [measure(_CONFIG.value, topo, _TENSOR.value)]
     g = 2**30
-    print("| slice | hosts | tensor | cover exists | trainer params (args) | temporaries | sampler copy (out) | optimizer state held | total | % HBM | whole policy (no cover) |")
+    print("| slice | hosts | tensor | cover mesh | trainer params (args) | temporaries | sampler copy (out) | optimizer state held | total | % HBM | whole policy (no cover) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['topology']} | {r['hosts']} | {r['tensor']} | {r['cover_exists']} | {r['argument_bytes'] / g:.2f} | "
+        cover = " x ".join(f"{k} {v}" for k, v in r["cover_mesh"].items()) if r["cover_exists"] else "none"
+        print(f"| {r['topology']} | {r['hosts']} | {r['tensor']} | {cover} | {r['argument_bytes'] / g:.2f} | "
               f"{r['temp_bytes'] / g:.2f} | {r['output_bytes'] / g:.2f} | {r['held_bytes'] / g:.2f} | {r['total_bytes'] / g:.2f} | "
               f"{100 * r['hbm_frac']:.1f} | {r['whole_policy_bytes'] / g:.2f} |")
         if not r["cover_exists"]:

@@ -25,21 +25,22 @@ for the whole placement.
 * tensor > 1: each `nnx.Variable` split as the model's logical axes ask through the trainer's
   rules table, restricted to the sampling mesh: only `tensor` targets count (no fsdp, no data
   sharding of weights), a dimension that `tensor` does not divide stays whole (`sharding.fit_spec`,
-  e.g. 2 KV heads on 4 devices); leaves without logical axes are replicated. One jitted identity
-  lays the leaves out from the trainer's mesh onto a "cover" mesh: the trainer's devices in their
-  order (jit takes no other order, nor a subset), shaped (n / tensor, 1, tensor), whose tensor index
-  of each sampling device is its index on the sampling mesh; XLA then moves only the shards each
-  device needs, and the sampling devices' shards are adopted without a copy. With several
+  e.g. 2 KV heads on 4 devices); leaves without logical axes are replicated. Jitted identities
+  lay the leaves out from the trainer's mesh onto a "cover" mesh: the trainer's devices in their
+  order (jit takes no other order, nor a subset), reshaped so that a group of its axes gives each
+  sampling device its index on the sampling mesh (`_factor_cover`: (n / tensor, tensor) when a
+  host's chips are neighbours in that order, (8, 2, 8, 2) for v5e-256's 2 x 2 hosts); XLA then
+  moves only the shards each device needs, and the sampling devices' shards are adopted without a
+  copy. One program per PLACEMENT_CHUNK_BYTES of leaves bounds the temporaries. With several
   processes the cover spans every process's devices (the trainer's global mesh), so each host
   receives exactly its chips' shards; the program must be the same in every process, so the
   condition is checked for every process's sampling devices, taken at the local positions this
   process's have (every process builds its sampling mesh alike, as `sampling_mesh` does). Where no
-  cover exists (another device order, a trainer mesh whose device order gives a sampling device
-  another tensor index) the leaves are first made whole as for tensor = 1 and each device keeps its
-  part. Every leaf comes back with exactly its target sharding. `placement_programs` returns the
+  cover exists (no reshape of at most 4 axes gives every sampling device its index) the leaves are
+  first made whole as for tensor = 1 and each device keeps its part. Every leaf comes back with exactly its target sharding. `placement_programs` returns the
   compiled programs, for their memory per device and what each device receives
   (tests/rollout/test_sampling_mesh_multiprocess.py: 2 processes, one program, no device receives a
-  whole leaf that `tensor` splits).
+  whole leaf that `tensor` splits; benchmarks/preflight_reshard.py: the 7B on a slice).
 
 Not yet: XLA's partitioner moves a leaf split over fsdp on one dimension to a split over tensor on
 another by gathering it whole and slicing it (it logs "Involuntary full rematerialization" when it
@@ -54,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 
 import jax
 import numpy as np
@@ -163,10 +165,11 @@ def sampling_params(params, mesh: jax.sharding.Mesh, rules=None, *, compute_dtyp
             return jax.tree.unflatten(treedef, _replicated(leaves, mesh))
         for i in plan.adopt:
             out[i] = _adopt(leaves[i], plan.targets[i])
-        for cover, idx in plan.direct.items():
-            got = _gather(tuple(NamedSharding(cover, plan.targets[i].spec) for i in idx))(tuple(leaves[i] for i in idx))
-            for i, x in zip(idx, got, strict=True):
-                out[i] = x if cover is mesh else _adopt(x, plan.targets[i])
+        for cover, every in plan.direct.items():
+            for idx in _chunks(every, leaves):
+                got = _gather(tuple(_on_cover(cover, plan.targets[i].spec) for i in idx))(tuple(leaves[i] for i in idx))
+                for i, x in zip(idx, got, strict=True):
+                    out[i] = x if cover is mesh else _adopt(x, plan.targets[i])
         if plan.rest:  # whole on every sampling device first, then each device keeps its part (no transfer)
             whole = _replicated([leaves[i] for i in plan.rest], mesh)
             for i, x in zip(plan.rest, _gather(tuple(plan.targets[i] for i in plan.rest))(tuple(whole)), strict=True):
@@ -221,9 +224,10 @@ def placement_programs(params, mesh: jax.sharding.Mesh, rules=None) -> list[jax.
     leaves = jax.tree.leaves(params)
     plan = _plan(params, mesh, rules)
     out = []
-    for cover, idx in plan.direct.items():
-        outs = tuple(NamedSharding(cover, plan.targets[i].spec) for i in idx)
-        out.append(_gather(outs).lower(tuple(leaves[i] for i in idx)).compile())
+    for cover, every in plan.direct.items():
+        for idx in _chunks(every, leaves):
+            outs = tuple(_on_cover(cover, plan.targets[i].spec) for i in idx)
+            out.append(_gather(outs).lower(tuple(leaves[i] for i in idx)).compile())
     whole = NamedSharding(mesh, PartitionSpec())
     todo = plan.replicate if plan.replicate is not None else plan.rest
     gather = [i for i in todo if not leaves[i].is_fully_replicated and not leaves[i].sharding.is_equivalent_to(whole, leaves[i].ndim)]
@@ -234,6 +238,28 @@ def placement_programs(params, mesh: jax.sharding.Mesh, rules=None) -> list[jax.
         args = tuple(jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype, sharding=whole) for i in plan.rest)
         out.append(_gather(tuple(plan.targets[i] for i in plan.rest)).lower(args).compile())
     return out
+
+
+# The most bytes of whole leaves one placement program moves. XLA moves a leaf split over fsdp on one
+# dimension to `tensor` on another by gathering it whole, and in one program for the whole policy it
+# kept many such leaves at once: the 7B onto v5e-256 at tensor 4 needed 10.9 GiB of temporaries per
+# chip (96% of HBM with the rest); in programs of at most 1 GiB, 2.2 GiB (the largest leaf, the bf16
+# output layer, whole) and 41% (benchmarks/preflight_reshard.py).
+PLACEMENT_CHUNK_BYTES = 1 << 30
+
+
+def _chunks(idx: list, leaves: list) -> list[list]:
+    """`idx` in runs of leaves whose whole sizes add up to at most PLACEMENT_CHUNK_BYTES (a larger leaf
+    alone): one placement program each."""
+    out, size = [[]], 0
+    for i in idx:
+        b = int(np.prod(leaves[i].shape)) * leaves[i].dtype.itemsize
+        if out[-1] and size + b > PLACEMENT_CHUNK_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += b
+    return out if out[0] else []
 
 
 @contextlib.contextmanager
@@ -290,22 +316,71 @@ def sampler_spec(leaf, mesh: jax.sharding.Mesh, rules=None) -> PartitionSpec:
 
 def _cover(src, mesh: jax.sharding.Mesh) -> jax.sharding.Mesh | None:
     """A mesh over the devices of `src`'s mesh in their order (what a jitted identity from `src` may
-    lay its output out on: jit takes no other device order, nor a subset) where each of `mesh`'s
-    devices has its tensor index in `mesh`: `mesh` itself when the devices are the same; else
-    (n / tensor, 1, tensor). With several processes the program must be the same on all of them, so
-    the condition is checked for every process's sampling devices (`_sampling_devices`). None where
+    lay its output out on: jit takes no other device order, nor a subset) on which each of `mesh`'s
+    devices has its tensor index in `mesh`: `mesh` itself when the devices are the same; else the
+    device list reshaped by `_factor_cover` (its `tensor` axis a group of axes; `_on_cover` maps a
+    spec onto it). With several processes the program must be the same on all of them, so the
+    condition is checked for every process's sampling devices (`_sampling_devices`). None where
     there is none."""
     if not isinstance(src, NamedSharding):
         return None
     have, want = tuple(src.mesh.devices.flat), tuple(mesh.devices.flat)
     if have == want:
         return mesh
-    t = mesh.shape["tensor"]
-    at = {d: q for q, d in enumerate(have)}
     every = _sampling_devices(want)
-    if len(have) % t or every is None or any(d not in at or at[d] % t != p % t for w in every for p, d in enumerate(w)):
+    if every is None:
         return None
-    return jax.sharding.Mesh(np.asarray(have).reshape(-1, 1, t), mesh.axis_names)
+    at = {d: q for q, d in enumerate(have)}
+    if any(d not in at for w in every for d in w):
+        return None
+    t = mesh.shape["tensor"]
+    index = {at[d]: p % t for w in every for p, d in enumerate(w)}  # flat position -> tensor index
+    return _factor_cover(have, index, t)
+
+
+def _factorizations(n: int, most: int) -> list[tuple[int, ...]]:
+    """Ordered factorizations of n into at most `most` factors > 1 (n itself included)."""
+    if n == 1:
+        return [()]
+    if most == 0:
+        return []
+    out = []
+    for f in range(2, n + 1):
+        if n % f == 0:
+            out += [(f, *rest) for rest in _factorizations(n // f, most - 1)]
+    return out
+
+
+def _factor_cover(have: tuple, index: dict, t: int, most: int = 4) -> jax.sharding.Mesh | None:
+    """`have` reshaped into a mesh of axes c0, c1, ... where some group of axes, read in order, gives
+    each position in `index` its tensor index: e.g. (n / t, t) when a host's chips are neighbours in
+    the order (v5p, ids 4h..4h+3), (8, 2, 8, 2) with axes (c1, c3) when a host owns a 2 x 2 block of a
+    16 x 16 slice in row-major order (v5e-256: ids 0, 1, 16, 17 for host 0). The group is the
+    `tensor` axis of `_on_cover`'s specs (named tile<i>). None when no reshape of at most `most`
+    axes does it."""
+    n = len(have)
+    pos = np.asarray(sorted(index))
+    want = np.asarray([index[q] for q in pos])
+    for shape in _factorizations(n, most):
+        digits = np.asarray(np.unravel_index(pos, shape))  # [axes, positions]
+        for k in range(1, len(shape) + 1):
+            for group in itertools.combinations(range(len(shape)), k):
+                if int(np.prod([shape[a] for a in group])) != t:
+                    continue
+                got = np.ravel_multi_index(tuple(digits[a] for a in group), tuple(shape[a] for a in group))
+                if np.array_equal(got, want):  # the group's axes are named tile<i>, the others c<i>
+                    names = tuple(f"tile{a}" if a in group else f"c{a}" for a in range(len(shape)))
+                    return jax.sharding.Mesh(np.asarray(have, dtype=object).reshape(shape), names)
+    return None
+
+
+def _on_cover(cover: jax.sharding.Mesh, spec: PartitionSpec) -> NamedSharding:
+    """`spec` (a sampling-mesh spec: "tensor" or None per dimension) as a sharding on `cover`: the
+    sampling mesh itself, or a `_factor_cover` mesh whose tile<i> axes play `tensor`."""
+    if "tensor" in cover.axis_names:
+        return NamedSharding(cover, spec)
+    tiles = tuple(a for a in cover.axis_names if a.startswith("tile"))
+    return NamedSharding(cover, PartitionSpec(*(tiles if e in ("tensor", ("tensor",)) else e for e in spec)))
 
 
 def _sampling_devices(want: tuple) -> list[tuple] | None:

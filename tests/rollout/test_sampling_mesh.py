@@ -272,3 +272,54 @@ def test_grpo_sampling_mesh_follows_the_config():
         c.rollout.mesh_data, c.rollout.mesh_tensor = data, tensor
         with pytest.raises(ConfigError, match=match):
             rollout_mesh(c)
+
+
+def test_a_host_whose_chips_are_not_neighbours_in_the_trainers_order_still_receives_only_its_shards(model):
+    """v5e-256's hosts own 2 x 2 blocks (ids 0, 1, 16, 17 for host 0): in the trainer's device order
+    they are not neighbours, so no (n / tensor, 1, tensor) reshape gives each chip its tensor index.
+    Here: sampling devices 0, 1, 4, 5 of a (2, 2, 2) trainer mesh; the cover is (2, 2, 2) with axes
+    0 and 2 as `tensor`. One program, shards only (no leaf made whole first), bit for bit."""
+    from codedance_jax.rollout import placement
+
+    _, state = nnx.split(model)
+    host = [np.asarray(x) for x in jax.tree.leaves(state)]
+    trainer = jax.device_put(state, sharding.param_shardings(state, sharding.make_mesh(2, 2, 2))[0])
+    d = jax.local_devices()
+    mesh = sampling_mesh(1, 4, devices=[d[0], d[1], d[4], d[5]])
+    plan = placement._plan(trainer, mesh, None)
+    assert plan.rest == [] and len(plan.direct) == 1  # before: every split leaf in `rest` (gathered whole)
+    cover = next(iter(plan.direct))
+    assert dict(cover.shape) == {"tile0": 2, "c1": 2, "tile2": 2}
+    programs = placement.placement_programs(trainer, mesh)
+    assert len(programs) == 1
+    with jax.transfer_guard("disallow"):
+        out = sampling_params(trainer, mesh)
+    for (path, var), want in zip(_variables(out), host, strict=True):
+        x = var.get_value()
+        assert x.sharding.mesh == mesh, path
+        for s in x.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(s.data), want[s.index], err_msg=jax.tree_util.keystr(path))
+    q = out["layers"][0]["attn"]["q_kernel"].get_value()
+    assert not q.is_fully_replicated and q.sharding.spec[1] == "tensor"
+
+
+def test_the_placement_moves_bounded_chunks_of_leaves_in_separate_programs(model, monkeypatch):
+    """`placement.PLACEMENT_CHUNK_BYTES` bounds the whole-leaf bytes one program moves (XLA gathers a
+    leaf whole to move it to `tensor` on another dimension; one program for a 7B policy held many at
+    once): smaller chunks, more programs, the same shards bit for bit."""
+    from codedance_jax.rollout import placement
+
+    _, state = nnx.split(model)
+    trainer = jax.device_put(state, sharding.param_shardings(state, sharding.make_mesh(2, 2, 2))[0])
+    mesh = sampling_mesh(4, 2)
+    whole = sampling_params(trainer, mesh)
+    assert len(placement.placement_programs(trainer, mesh)) == 1
+    monkeypatch.setattr(placement, "PLACEMENT_CHUNK_BYTES", 64 * 1024)
+    largest = max(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(trainer))
+    programs = placement.placement_programs(trainer, mesh)
+    assert len(programs) > 3 and largest > 64 * 1024  # a leaf over the bound goes alone
+    with jax.transfer_guard("disallow"):
+        parts = sampling_params(trainer, mesh)
+    for a, b in zip(jax.tree.leaves(parts), jax.tree.leaves(whole), strict=True):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
