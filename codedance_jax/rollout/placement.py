@@ -37,15 +37,16 @@ for the whole placement.
   condition is checked for every process's sampling devices, taken at the local positions this
   process's have (every process builds its sampling mesh alike, as `sampling_mesh` does). Where no
   cover exists (no reshape of at most 4 axes gives every sampling device its index) the leaves are
-  first made whole as for tensor = 1 and each device keeps its part. Every leaf comes back with exactly its target sharding. `placement_programs` returns the
-  compiled programs, for their memory per device and what each device receives
+  first made whole as for tensor = 1 and each device keeps its part. Every leaf comes back with
+  exactly its target sharding. `placement_programs` returns the compiled programs, for their memory per device and what each device receives
   (tests/rollout/test_sampling_mesh_multiprocess.py: 2 processes, one program, no device receives a
   whole leaf that `tensor` splits; benchmarks/preflight_reshard.py: the 7B on a slice).
 
 Not yet: XLA's partitioner moves a leaf split over fsdp on one dimension to a split over tensor on
 another by gathering it whole and slicing it (it logs "Involuntary full rematerialization" when it
 compiles the placement), so with such a trainer layout (e.g. a (1, n, 1) mesh) a chip briefly holds
-whole leaves in the program's temporaries. With the default rules `tensor` splits the same
+whole leaves in the program's temporaries, as many as one program of PLACEMENT_CHUNK_BYTES has (the
+7B onto v5e-256: 2.2 GiB). With the default rules `tensor` splits the same
 dimension for trainer and sampler: the 2-process test's placements from (2, 2, 2) and (1, 4, 2)
 hold the embedding and head (the largest leaves) only as shards, temporaries included.
 """
@@ -327,13 +328,18 @@ def _cover(src, mesh: jax.sharding.Mesh) -> jax.sharding.Mesh | None:
     have, want = tuple(src.mesh.devices.flat), tuple(mesh.devices.flat)
     if have == want:
         return mesh
+    return _cover_of(have, want, mesh.shape["tensor"])
+
+
+@functools.lru_cache(maxsize=32)
+def _cover_of(have: tuple, want: tuple, t: int) -> jax.sharding.Mesh | None:
+    # Cached: every leaf of a policy asks for the same cover, every step.
     every = _sampling_devices(want)
     if every is None:
         return None
     at = {d: q for q, d in enumerate(have)}
     if any(d not in at for w in every for d in w):
         return None
-    t = mesh.shape["tensor"]
     index = {at[d]: p % t for w in every for p, d in enumerate(w)}  # flat position -> tensor index
     return _factor_cover(have, index, t)
 
