@@ -74,15 +74,9 @@ def measure(config, topology: str, tensor: int) -> dict:
     leaves = jax.tree.leaves(state.params)
     dtypes = [sampler_dtype(x.dtype, cfg.compute_dtype) for x in leaves]
     outs = tuple(placement._on_cover(cover, s.spec) for s in specs)
-    limit = placement.PLACEMENT_CHUNK_BYTES if _CHUNK.value < 0 else _CHUNK.value * 2**30
-    groups, size = [[]], 0
-    for i, (x, d) in enumerate(zip(leaves, dtypes, strict=True)):
-        b = int(np.prod(x.shape)) * np.dtype(d).itemsize
-        if limit and groups[-1] and size + b > limit:
-            groups.append([])
-            size = 0
-        groups[-1].append(i)
-        size += b
+    limit = placement.PLACEMENT_CHUNK_BYTES if _CHUNK.value < 0 else (_CHUNK.value * 2**30 or float("inf"))
+    cast = [jax.ShapeDtypeStruct(x.shape, d) for x, d in zip(leaves, dtypes, strict=True)]
+    groups = placement._chunks(range(len(leaves)), cast, limit)  # the placement's own programs
     args = out_b = temp = alias = 0
     largest = []
     for idx in groups:
@@ -102,7 +96,7 @@ def measure(config, topology: str, tensor: int) -> dict:
     total = args + temp + out_b - alias + held
     return {"topology": topology, "chips": len(devices), "hosts": len(hosts), "tensor": tensor, "cover_exists": cover_ok,
             "cover_mesh": {str(k): int(v) for k, v in cover.shape.items()},
-            "programs": len(groups), "chunk_bytes": int(limit),
+            "programs": len(groups), "chunk_bytes": limit if limit == float("inf") else int(limit),
             "argument_bytes": int(args), "output_bytes": int(out_b),
             "temp_bytes": int(temp), "alias_bytes": int(alias), "held_bytes": int(held),
             "total_bytes": int(total), "hbm_bytes": int(chip.hbm_bytes), "hbm_frac": total / chip.hbm_bytes,

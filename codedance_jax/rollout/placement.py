@@ -249,13 +249,14 @@ def placement_programs(params, mesh: jax.sharding.Mesh, rules=None) -> list[jax.
 PLACEMENT_CHUNK_BYTES = 1 << 30
 
 
-def _chunks(idx: list, leaves: list) -> list[list]:
-    """`idx` in runs of leaves whose whole sizes add up to at most PLACEMENT_CHUNK_BYTES (a larger leaf
-    alone): one placement program each."""
+def _chunks(idx: list, leaves: list, limit: float | None = None) -> list[list]:
+    """`idx` in runs of leaves whose whole sizes add up to at most `limit` bytes (default
+    PLACEMENT_CHUNK_BYTES; a larger leaf alone): one placement program each."""
+    limit = PLACEMENT_CHUNK_BYTES if limit is None else limit
     out, size = [[]], 0
     for i in idx:
-        b = int(np.prod(leaves[i].shape)) * leaves[i].dtype.itemsize
-        if out[-1] and size + b > PLACEMENT_CHUNK_BYTES:
+        b = int(np.prod(leaves[i].shape)) * np.dtype(leaves[i].dtype).itemsize
+        if out[-1] and size + b > limit:
             out.append([])
             size = 0
         out[-1].append(i)
