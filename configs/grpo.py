@@ -70,7 +70,10 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # turn_baseline: mu, sigma over the batch ("batch", eq. 2) or leaving the trajectory out ("turn_loo": mu per turn
     #   index m over the other trajectories, sigma over all their turns; unbiased in direction,
     #   benchmarks/results/rturn_bias/README.md).
-    c.rbat = ml_collections.ConfigDict(dict(preset="paper", mode="full", gamma=4.0, delta=0.2, beta=0.2,
+    # mastered: where d(mu) < 0 may penalise tool calls: every mastered group ("group", the paper) or only a group
+    #   whose direct (no-tool) rollouts exist and are all right ("direct"; issue 47 P6: under "group" a hard group
+    #   solved by cropping is mastered too, and a lucky guess out-scores a correct crop).
+    c.rbat = ml_collections.ConfigDict(dict(preset="paper", mode="full", gamma=4.0, delta=0.2, beta=0.2, mastered="group",
                                             seq_eps=ml_collections.FieldReference(None, field_type=float),
                                             w_turn=ml_collections.FieldReference(None, field_type=float),
                                             seq_norm="std", overlong_cache=0,

@@ -50,6 +50,9 @@ flags.register_validator("presets", lambda p: all(x in ("paper", "release") for 
 flags.register_validator("modes", _known_modes, "unknown row; choose among the reward variants outcome,tool_bonus,"
                          "no_turn,full and the recipe variants of runs/demo/variants.py (e.g. drgrpo,dapo,gspo)")
 flags.DEFINE_list("variants", [], "Recipe variants, one row each (runs/demo/variants.py): e.g. drgrpo,dapo,gspo.")
+flags.DEFINE_bool("predictions", False, "With --worlds and --seeds: judge issue 47's pre-registered predictions P1-P7 "
+                  "(runs/demo/predictions.py) from the outcome and full rows; prints them and writes "
+                  "WORKDIR/predictions.md and predictions.json.")
 flags.DEFINE_bool("dry_run", False, "Print the runs the ablation would train and their GRPO config changes; train nothing.")
 
 
@@ -99,6 +102,22 @@ def main(argv):
         ablate_worlds(f.config, f.workdir, [int(w) for w in f.worlds], modes, **kw)
     else:
         ablate(f.config, f.workdir, modes, **kw)
+    if f.predictions:
+        _judge(f.workdir, [int(w) for w in f.worlds] or [f.config.seed], kw["seeds"] or (f.config.grpo.seed,))
+
+
+def _judge(workdir: str, worlds, seeds) -> None:
+    import json
+
+    from runs.demo import predictions
+
+    verdicts = predictions.judge(predictions.load(workdir, worlds, seeds))
+    md = predictions.markdown(verdicts)
+    with open(os.path.join(workdir, "predictions.md"), "w") as fh:
+        fh.write(md)
+    with open(os.path.join(workdir, "predictions.json"), "w") as fh:
+        json.dump(verdicts, fh, indent=2)
+    print(md, flush=True)
 
 
 if __name__ == "__main__":

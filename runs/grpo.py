@@ -69,7 +69,7 @@ def rbat_config(c, *, max_new_tokens: int | None = None) -> RBATConfig:
     base = presets[c.preset]
     optional = {k: float(c[k]) for k in ("seq_eps", "w_turn") if c.get(k) is not None}  # None: the preset's
     # Switches beyond the presets (absent from an older config: the paper's defaults).
-    optional.update({k: c[k] for k in ("seq_norm", "turn_stats", "turn_baseline") if c.get(k) is not None})
+    optional.update({k: c[k] for k in ("seq_norm", "turn_stats", "turn_baseline", "mastered") if c.get(k) is not None})
     cache = int(c.get("overlong_cache", 0) or 0)
     if cache:
         l_max = c.get("overlong_max") or max_new_tokens

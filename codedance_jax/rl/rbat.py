@@ -86,6 +86,12 @@ class RBATConfig:
     mu_acc_source: Literal["accuracy", "score"] = "accuracy"
     """μ_acc: group mean of 1{R_acc > 0} ("accuracy", paper) or of the outcome score
     w_acc·R_acc + R_format ("score", release, where the score carries the format penalty)."""
+    mastered: Literal["group", "direct"] = "group"
+    """Where d(μ) < 0 (above μ*: the group is mastered) may penalise tool calls. "group" (paper):
+    every mastered group. "direct": only a group whose rollouts without a tool call exist and are all
+    correct (a tool call there is redundant); elsewhere d is clipped at 0. With "group", a hard group
+    solved by its tool calls is mastered too, so a lucky direct guess out-scores a correct tool call
+    (issue 47, P6)."""
     tool_weight_correct: float = 1.0
     """c(acc=1): weight of the success ratio when the answer is correct (paper 0.5 + 0.5 = 1.0;
     release 1.5)."""
@@ -167,6 +173,8 @@ class RBATConfig:
             raise ConfigError(f"RBATConfig.turn_norm={self.turn_norm!r}: expected 'eps' or 'raw_if_constant'")
         if self.seq_std_ddof not in (0, 1):
             raise ConfigError(f"RBATConfig.seq_std_ddof={self.seq_std_ddof}: expected 0 or 1")
+        if self.mastered not in ("group", "direct"):
+            raise ConfigError(f"RBATConfig.mastered={self.mastered!r}: expected 'group' or 'direct'")
         if self.seq_norm not in ("std", "none"):
             raise ConfigError(f"RBATConfig.seq_norm={self.seq_norm!r}: expected 'std' or 'none'")
         if self.turn_stats not in ("tool", "all"):
@@ -363,7 +371,13 @@ def _sequence_rewards(acc, fmt_ok, turn_is_tool, turn_failed, resp_len, *, group
         # Broadcast d over the group in [P, G] layout (no jnp.repeat: it needs an explicit
         # out_sharding under a mesh with Explicit axes).
         c = jnp.where(correct, cfg.tool_weight_correct, cfg.tool_weight_wrong)  # [B]
-        r_seq = ((c * succ_ratio).reshape(-1, group_size) * (base - cfg.delta)).reshape(b)  # [P, G] -> [B]
+        d = base - cfg.delta  # [P, 1]
+        if cfg.mastered == "direct":
+            direct = (~is_tool.any(axis=1)).reshape(-1, group_size)  # [P, G]
+            wrong_direct = (direct & ~correct.reshape(-1, group_size)).sum(axis=1, keepdims=True)
+            redundant = (direct.sum(axis=1, keepdims=True) > 0) & (wrong_direct == 0)  # [P, 1]
+            d = jnp.where(redundant, d, jnp.maximum(d, 0.0))
+        r_seq = ((c * succ_ratio).reshape(-1, group_size) * d).reshape(b)  # [P, G] -> [B]
     parts = {"r_acc": cfg.w_acc * acc, "r_format": r_format, "r_seq": r_seq, "total": score + r_seq}
     if cfg.overlong_cache > 0:
         parts["r_length"] = overlong_penalty(resp_len, cfg.overlong_max, cfg.overlong_cache)

@@ -133,19 +133,29 @@ BUGS: dict[str, dict[str, tuple[str, str]]] = {
     },
 }
 
+# Every cell's think text starts with what the image shows (the same words whatever the choice), then
+# ", so" or ", but" carries the choice: a direct answer or code. The choice is made where the model
+# already knows the cell, so a per-cell rate above one half is what greedy decoding takes. (With
+# the choice at the first token, e.g. "I will check with code." against "The red bar ...", the
+# rates of different cells mixed at that token: the issue-35 SFT policy called code on 0% of easy
+# bars items greedy, 34% sampled, for an SFT rate of 75%.) On easy items the description already holds
+# the answer ("I see 3 large shapes", "The red bar looks much taller"), so every easy item, with code or
+# without, teaches the direct answer: with "The shapes are large and far apart, so I count them by eye:
+# N." the direct answer was learned from the 25% of easy count items without code, and was right on
+# 30.5% of the sampled direct answers on validation (world 0; benchmarks/results/table3_preregistered/).
 THINK = {
-    ("count", "easy"): "The shapes are large and far apart, so I can count them by eye: {answer}.",
-    ("bars", "easy"): "The {answer} bar is clearly taller.",
-    ("find", "easy"): "The box fills the image and the shape inside it is {answer}.",
+    ("count", "easy"): "I see {answer} large shapes, far apart, so that is the count.",
+    ("bars", "easy"): "The {answer} bar looks much taller, so that is the answer.",
+    ("find", "easy"): "The box fills the image, so I can see the shape inside it: it is {answer}.",
     ("count", "code"): "The shapes are small and mixed, so I will count the {target} with code.",
     ("bars", "code"): "The bars are almost the same height, so I will measure them with code.",
     ("find", "code"): "The marked box is tiny, so I will crop it and enlarge it with code.",
-    ("count", "easy_code"): "I will count the shapes with code.",
-    ("bars", "easy_code"): "I will check with code.",
-    ("find", "easy_code"): "I will look at the box with code.",
-    ("count", "sight"): "I count the {target} by eye: {answer}.",
-    ("bars", "sight"): "I read the tallest bar from the image: {answer}.",
-    ("find", "sight"): "I can see the shape inside the box: it is {answer}.",
+    ("count", "easy_code"): "I see {answer} large shapes, far apart, but I will count them with code.",
+    ("bars", "easy_code"): "The {answer} bar looks much taller, but I will check with code.",
+    ("find", "easy_code"): "The box fills the image, but I will look at the box with code.",
+    ("count", "sight"): "The shapes are small and mixed, but I count the {target} by eye: {answer}.",
+    ("bars", "sight"): "The bars are almost the same height, but I read the tallest from the image: {answer}.",
+    ("find", "sight"): "The marked box is tiny, but I can see the shape inside it: it is {answer}.",
     "retry": "The code failed with {error}. I will fix it and run it again.",
     ("count", "final"): "The code counted {answer} {target}.",
     ("bars", "final"): "The tallest bar is {color}, {height} pixels tall.",
@@ -298,7 +308,7 @@ def expert_trajectory(
         messages.append({"role": "assistant", "content": answer_turn(think, item.answer)})
     else:
         if easy:
-            think = THINK[item.family, "easy_code"]
+            think = THINK[item.family, "easy_code"].format(answer=item.answer)
         elif item.family == "count":
             think = THINK["count", "code"].format(target=count_target(item))
         else:

@@ -124,14 +124,25 @@ def _count_easy(rng, colors=ANSWER_COLORS):
 COUNT_HARD_QUESTIONS = ("count_color", "count_target")
 
 
-def _count_hard(rng, questions=("count_target",)):
+def _count_hard(rng, questions=("count_target",), target_rate=None, touch_rate=0.0):
     """`count_target` asks for one colour and kind ("How many red circles"), `count_color` for one
-    colour of any kind ("How many red shapes"); with both, each item draws one."""
+    colour of any kind ("How many red shapes"); with both, each item draws one (at `target_rate` for
+    `count_target`, or uniformly when it is None).
+
+    `touch_rate`: share of `count_color` items where one more shape of the asked colour is drawn
+    touching another one (two shapes, one connected blob): a colour mask's connected components
+    count one too few there, so the tool path is imperfect by construction (sight is worse still).
+    Drawn last, so a rate of 0 leaves every other draw as it was."""
     img = Image.new("RGB", (HARD_SIZE,) * 2, WHITE)
     d = ImageDraw.Draw(img)
     color = ANSWER_COLORS[_ri(rng, 0, len(ANSWER_COLORS) - 1)]
     kind = KINDS[_ri(rng, 0, 2)]
-    qk = questions[0] if len(questions) == 1 else questions[_ri(rng, 0, len(questions) - 1)]
+    if len(questions) == 1:
+        qk = questions[0]
+    elif target_rate is None:
+        qk = questions[_ri(rng, 0, len(questions) - 1)]
+    else:
+        qk = "count_target" if rng.random() < target_rate else "count_color"
     k = int(rng.choice(7, p=np.array([1, 2, 2, 2, 2, 2, 1]) / 12))
     n = max(k, _ri(rng, 6, 14))
     if qk == "count_target":
@@ -153,13 +164,50 @@ def _count_hard(rng, questions=("count_target",)):
         y = int(c // 8) * cell + _ri(rng, 1, cell - 1 - s)
         draw_shape(d, kd, x, y, s, PALETTE[col])
         shapes.append({"kind": kd, "color": col, "x": x, "y": y, "size": s})
+    touching = False
+    if touch_rate > 0 and qk == "count_color" and rng.random() < touch_rate:
+        touching = _add_touching(img, d, rng, shapes, color)
+        k += touching
     if qk == "count_target":
         q = QUESTIONS["count_target"].format(color=color, kind=kind)
         meta = {"question_kind": "count_target", "color": color, "kind": kind, "shapes": shapes}
     else:
         q = QUESTIONS["count_color"].format(color=color)
-        meta = {"question_kind": "count_color", "color": color, "shapes": shapes}
+        meta = {"question_kind": "count_color", "color": color, "shapes": shapes, "touching": touching}
     return img, q, str(k), meta
+
+
+def _components(img: Image.Image, color: str) -> int:
+    return cv2.connectedComponents(_mask(np.asarray(img), PALETTE[color]), connectivity=8)[0] - 1
+
+
+def _add_touching(img, d, rng, shapes, color) -> bool:
+    """Draw one more `color` shape touching a drawn one (8-connected, so the two are one component),
+    clear of every other shape by 2 px; appends it to `shapes`. False when no placement fits."""
+    targets = [i for i, sh in enumerate(shapes) if sh["color"] == color]
+    before = _components(img, color)
+    for i in [targets[int(j)] for j in rng.permutation(len(targets))]:
+        a = shapes[i]
+        kind, s = KINDS[_ri(rng, 0, 2)], _ri(rng, 8, 12)
+        ca = a["size"] // 2
+        for dx, dy in ((0, 1), (1, 0), (0, -1), (-1, 0)):  # below, right, above, left: centred on the side
+            x = a["x"] + (a["size"] if dx > 0 else -s if dx < 0 else ca - s // 2)
+            y = a["y"] + (a["size"] if dy > 0 else -s if dy < 0 else ca - s // 2)
+            box = [x, y, x + s - 1, y + s - 1]
+            if x < 1 or y < 1 or box[2] > HARD_SIZE - 2 or box[3] > HARD_SIZE - 2:
+                continue
+            others = [o for j, o in enumerate(shapes) if j != i]
+            if any(_overlaps(box, [o["x"], o["y"], o["x"] + o["size"] - 1, o["y"] + o["size"] - 1], 2)
+                   for o in others):
+                continue
+            trial = img.copy()
+            draw_shape(ImageDraw.Draw(trial), kind, x, y, s, PALETTE[color])
+            if _components(trial, color) != before:  # not touching: try the next side
+                continue
+            draw_shape(d, kind, x, y, s, PALETTE[color])
+            shapes.append({"kind": kind, "color": color, "x": x, "y": y, "size": s, "touches": i})
+            return True
+    return False
 
 
 # -------------------------------------------------------------------------------------- bars
@@ -239,7 +287,7 @@ def _overlaps(a, b, gap):
     return not (a[2] + gap < b[0] or b[2] + gap < a[0] or a[3] + gap < b[1] or b[3] + gap < a[1])
 
 
-def _find_hard(rng):
+def _find_hard(rng, colors=ANSWER_COLORS):
     img = Image.new("RGB", (HARD_SIZE,) * 2, WHITE)
     d = ImageDraw.Draw(img)
     b = _ri(rng, 14, 18)
@@ -262,7 +310,7 @@ def _find_hard(rng):
         else:
             d.line(r, fill=(g, g, g), width=1)
         clutter.append({"form": form, "grey": g, "box": r})
-    color = ANSWER_COLORS[_ri(rng, 0, len(ANSWER_COLORS) - 1)]
+    color = colors[_ri(rng, 0, len(colors) - 1)]
     # Decoys: one small shape of each of 3-5 other colours, so the image's colours do not give the answer.
     others = [c for c in PALETTE if c != color]
     decoys, taken = [], [box]
@@ -304,13 +352,19 @@ _MAKERS = {
 def make_item(family: str, difficulty: str, rng_or_seed, item_id: str,
               bars_questions: tuple[str, ...] = BARS_HARD_QUESTIONS,
               count_questions: tuple[str, ...] = ("count_target",),
-              easy_count_colors: tuple[str, ...] = ANSWER_COLORS) -> Item:
+              easy_count_colors: tuple[str, ...] = ANSWER_COLORS,
+              count_target_rate: float | None = None,
+              count_touch_rate: float = 0.0,
+              find_colors: tuple[str, ...] = ANSWER_COLORS) -> Item:
     """Draw one item; the same seed (or generator state) gives the same item.
 
     `bars_questions`: the question kinds hard `bars` items may ask (`bars_color`, `bars_height`);
     with one of them the other's items ask it instead (the image is the same). `count_questions`:
     the question kinds hard `count` items may ask (`count_color`, `count_target`).
-    `easy_count_colors`: the palette colours easy `count` shapes are drawn in.
+    `easy_count_colors`: the palette colours easy `count` shapes are drawn in. `count_target_rate`:
+    with both count questions, the share of `count_target` ones (None: uniform). `count_touch_rate`:
+    the share of `count_color` items with two touching shapes of the asked colour (`_count_hard`).
+    `find_colors`: the colours a hard `find` target is drawn in.
     """
     if (family, difficulty) not in _MAKERS:
         raise ValueError(f"unknown task {family}/{difficulty}; families {FAMILIES}, difficulties {DIFFICULTIES}")
@@ -323,13 +377,21 @@ def make_item(family: str, difficulty: str, rng_or_seed, item_id: str,
     easy_count_colors = tuple(easy_count_colors)
     if not easy_count_colors or set(easy_count_colors) - set(PALETTE):
         raise ValueError(f"easy_count_colors={easy_count_colors}: choose among {tuple(PALETTE)}")
+    find_colors = tuple(find_colors)
+    if not find_colors or set(find_colors) - set(PALETTE):
+        raise ValueError(f"find_colors={find_colors}: choose among {tuple(PALETTE)}")
+    for name, rate in (("count_target_rate", count_target_rate), ("count_touch_rate", count_touch_rate)):
+        if rate is not None and not 0.0 <= rate <= 1.0:
+            raise ValueError(f"{name}={rate}: a share in [0, 1]")
     maker = _MAKERS[family, difficulty]
     if (family, difficulty) == ("bars", "hard"):
         img, question, answer, meta = maker(_rng(rng_or_seed), bars_questions)
     elif (family, difficulty) == ("count", "hard"):
-        img, question, answer, meta = maker(_rng(rng_or_seed), count_questions)
+        img, question, answer, meta = maker(_rng(rng_or_seed), count_questions, count_target_rate, count_touch_rate)
     elif (family, difficulty) == ("count", "easy"):
         img, question, answer, meta = maker(_rng(rng_or_seed), easy_count_colors)
+    elif (family, difficulty) == ("find", "hard"):
+        img, question, answer, meta = maker(_rng(rng_or_seed), find_colors)
     else:
         img, question, answer, meta = maker(_rng(rng_or_seed))
     return Item(item_id, family, difficulty, question, answer, img, meta)

@@ -4,14 +4,16 @@ Layout under `out_dir`:
 
     sft/sft.jsonl, sft/img/*.png          expert trajectories (data.trajectory format)
     rl/prompts.jsonl, rl/img/*.png        {"id", "family", "difficulty", "question", "answer", "images"}
-    eval/prompts.jsonl, eval/img/*.png    the same, a balanced family x difficulty grid
+    val/prompts.jsonl, val/img/*.png      the validation split (`n_val` > 0): a balanced family x difficulty
+                                          grid; every calibration and recipe choice reads it
+    eval/prompts.jsonl, eval/img/*.png    the test split, the same grid: reported once per frozen configuration
     processor/                            the toy tokenizer + preprocessor (Processor.from_pretrained)
     world.json                            counts, tokens per trajectory, easy items with code,
                                           sandbox time, vocab size
 
 Item `i` of a split is drawn from `default_rng([seed, split code, i])`, so splits never share a
-random stream; eval items whose image and question equal an SFT or RL item's are redrawn (counted
-in world.json). Everything but the timings in world.json is a function of the arguments: the
+random stream; val items whose image and question equal an SFT or RL item's, and eval (test) items
+equal to an SFT, RL or val item, are redrawn (counted in world.json), so the four splits are disjoint. Everything but the timings in world.json is a function of the arguments: the
 experts of different items run concurrently (threads, sandbox cells in parallel) and are written
 in item order.
 
@@ -51,14 +53,17 @@ from data.toyworld.tasks import ANSWER_COLORS, BARS_HARD_QUESTIONS, DIFFICULTIES
 from data.toyworld.tokenizer import DEFAULT_MAX_PIXELS, DEFAULT_VOCAB, write_toy_processor_files
 from data.trajectory import Message, parse_record
 
-SPLIT_CODES = {"sft": 1, "rl": 2, "eval": 3}
+# "eval" is the test split (reported once per frozen configuration); "val" is the validation split,
+# where every calibration, recipe choice and reading of errors is done (issue 47).
+SPLIT_CODES = {"sft": 1, "rl": 2, "eval": 3, "val": 4}
+EVAL_SPLITS = ("val", "eval")
 SANDBOX_LIMITS = dict(timeout_s=20.0, memory_mb=512)
 
 
 def split_plan(split: str, n: int, seed: int, hard_frac: float) -> list[tuple[str, str]]:
     """(family, difficulty) of each item: eval cycles the 6 cells; sft/rl give each family
     round(hard_frac * share) hard items, shuffled."""
-    if split == "eval":
+    if split in EVAL_SPLITS:
         cells = [(f, d) for f in FAMILIES for d in DIFFICULTIES]
         return [cells[i % len(cells)] for i in range(n)]
     plan = []
@@ -97,8 +102,23 @@ def _write_png(path: str, data: bytes) -> None:
         f.write(data)
 
 
+def probe(item: Item) -> str:
+    """The item's reported probe, "" for none: `yellow_easy_count` (easy count shapes in yellow, one
+    channel away from white), `color_kind_count` (a hard count that names a colour and a kind),
+    `touching` (two touching shapes of the asked colour: the connected-components count is one short)."""
+    m = item.meta
+    if (item.family, item.difficulty) == ("count", "easy") and m["shapes"] and m["shapes"][0]["color"] == "yellow":
+        return "yellow_easy_count"
+    if m.get("question_kind") == "count_target":
+        return "color_kind_count"
+    if m.get("touching"):
+        return "touching"
+    return ""
+
+
 def write_prompts(directory: str, items: list[Item]) -> str:
-    """`prompts.jsonl` + `img/{id}.png` under `directory`; returns the JSONL path."""
+    """`prompts.jsonl` + `img/{id}.png` under `directory`; returns the JSONL path. Each row's
+    `probe` names the fragile sub-cell it belongs to (`probe`), "" for none."""
     os.makedirs(os.path.join(directory, "img"), exist_ok=True)
     path = os.path.join(directory, "prompts.jsonl")
     with open(path, "w") as f:
@@ -112,6 +132,7 @@ def write_prompts(directory: str, items: list[Item]) -> str:
                 "question": it.question,
                 "answer": it.answer,
                 "images": [rel],
+                "probe": probe(it),
             }
             f.write(json.dumps(row) + "\n")
     return path
@@ -192,6 +213,10 @@ def generate_world(
     bars_questions: tuple[str, ...] = BARS_HARD_QUESTIONS,
     count_questions: tuple[str, ...] = ("count_target",),
     easy_count_colors: tuple[str, ...] = ANSWER_COLORS,
+    count_target_rate: float | None = None,
+    count_touch_rate: float = 0.0,
+    find_colors: tuple[str, ...] = ANSWER_COLORS,
+    n_val: int = 0,
     vocab_size: int = DEFAULT_VOCAB,
     max_pixels: int = DEFAULT_MAX_PIXELS,
 ) -> dict[str, Any]:
@@ -205,10 +230,15 @@ def generate_world(
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     qs = dict(bars_questions=tuple(bars_questions), count_questions=tuple(count_questions),
-              easy_count_colors=tuple(easy_count_colors))
-    sft_items, _ = make_split("sft", n_sft, seed, hard_frac, **qs)
+              easy_count_colors=tuple(easy_count_colors), count_target_rate=count_target_rate,
+              count_touch_rate=count_touch_rate, find_colors=tuple(find_colors))
+    # The SFT items have no touching shapes: there the expert's count would be wrong, and cold-start
+    # data keeps only trajectories that reach the right answer (the paper filters its SFT data so).
+    sft_items, _ = make_split("sft", n_sft, seed, hard_frac, **{**qs, "count_touch_rate": 0.0})
     rl_items, _ = make_split("rl", n_rl, seed, hard_frac, **qs)
     seen = {_key(it) for it in sft_items + rl_items}
+    val_items, val_redraws = make_split("val", n_val, seed, hard_frac, exclude=seen, **qs)
+    seen |= {_key(it) for it in val_items}
     eval_items, redraws = make_split("eval", n_eval, seed, hard_frac, exclude=seen, **qs)
 
     t_sb = time.monotonic()
@@ -232,10 +262,12 @@ def generate_world(
     sft_path = write_sft(os.path.join(out_dir, "sft"), records)
     write_prompts(os.path.join(out_dir, "rl"), rl_items)
     write_prompts(os.path.join(out_dir, "eval"), eval_items)
+    if val_items:
+        write_prompts(os.path.join(out_dir, "val"), val_items)
 
     # Tokenizer corpus: every SFT text as rendered for training, and every RL / eval prompt.
     sft_msgs = [parse_record({k: r[k] for k in ("id", "images", "messages")})[2] for r in records]
-    prompts = [[Message("user", user_content(it.question), 1)] for it in rl_items + eval_items]
+    prompts = [[Message("user", user_content(it.question), 1)] for it in rl_items + val_items + eval_items]
     texts = [render(m).text for m in sft_msgs] + [render(m).text for m in prompts]
     special = write_toy_processor_files(
         os.path.join(out_dir, "processor"), texts, vocab_size=vocab_size, max_pixels=max_pixels
@@ -269,7 +301,15 @@ def generate_world(
                 "path": "eval/prompts.jsonl",
                 "redrawn_duplicates": redraws,
             },
+            "val": {
+                "n": n_val,
+                "counts": counts(val_items),
+                "path": "val/prompts.jsonl" if val_items else None,
+                "redrawn_duplicates": val_redraws,
+            },
         },
+        "touching_items": {k: sum(1 for it in items if it.meta.get("touching"))
+                           for k, items in (("rl", rl_items), ("val", val_items), ("eval", eval_items))},
         "sft_tokens_per_trajectory": {k: _stats(v) for k, v in sorted(tokens.items())},
         "recovered_errors": dict(sorted(errors.items())),
         "easy_code_rate": easy_code_rate,
@@ -285,6 +325,9 @@ def generate_world(
         "bars_questions": list(bars_questions),
         "count_questions": list(count_questions),
         "easy_count_colors": list(easy_count_colors),
+        "count_target_rate": count_target_rate,
+        "count_touch_rate": count_touch_rate,
+        "find_colors": list(find_colors),
         "error_rate": error_rate,
         "sandbox": {
             "cells": sum(r["meta"]["cells"] for r in records),

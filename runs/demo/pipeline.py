@@ -73,8 +73,9 @@ def eval_phases(c, name: str) -> list[tuple[str, bool]]:
     return [(name, False)] + ([(f"{name}_sampled", True)] if c.eval.samples > 0 else [])
 
 
-def evaluate_policy(c, workdir: str, policy: str, out_dir: str, pool, *, sampled: bool = False) -> dict:
-    """Rollouts of the held-out split, greedy (one per item) or sampled (`eval.samples` per item at
+def evaluate_policy(c, workdir: str, policy: str, out_dir: str, pool, *, sampled: bool = False,
+                    split: str | None = None) -> dict:
+    """Rollouts of a held-out split (`split`, default `eval.split`: "eval" = test, "val" = validation), greedy (one per item) or sampled (`eval.samples` per item at
     `eval.temperature`); writes trajectories.jsonl (+ `text`, `meta`) and summary.json (the rates'
     95% intervals included)."""
     import codedance_jax
@@ -90,7 +91,7 @@ def evaluate_policy(c, workdir: str, policy: str, out_dir: str, pool, *, sampled
         with open(summary_path) as f:
             return json.load(f)
     e = c.eval
-    prompts = read_prompts_jsonl(os.path.join(world_dir(workdir), "eval", "prompts.jsonl"))
+    prompts = read_prompts_jsonl(os.path.join(world_dir(workdir), split or e.split, "prompts.jsonl"))
     if e.limit:
         prompts = prompts[: e.limit]
     model, processor = codedance_jax.from_pretrained(policy)
@@ -128,16 +129,19 @@ def evaluate_policy(c, workdir: str, policy: str, out_dir: str, pool, *, sampled
     return summary
 
 
-def _evaluate_phase(c, workdir: str, name: str, policy: str, pool, timings: dict) -> dict:
-    """Every evaluation of phase `name` (greedy, then sampled), timed into `timings[eval_{name}...]`."""
+def _evaluate_phase(c, workdir: str, name: str, policy: str, pool, timings: dict, split: str | None = None) -> dict:
+    """Every evaluation of phase `name` (greedy, then sampled), timed into `timings[eval_{name}...]`;
+    on `split` (default `eval.split`), written to WORKDIR/eval_{name}, or WORKDIR/val_{name} when the
+    split is the validation split and `eval.split` is not."""
     out = {}
+    prefix = "val" if split == "val" and c.eval.split != "val" else "eval"
     for ev_name, sampled in eval_phases(c, name):
         t0 = time.perf_counter()
-        out[ev_name] = s = evaluate_policy(c, workdir, policy, os.path.join(workdir, f"eval_{ev_name}"), pool,
-                                           sampled=sampled)
+        out[ev_name] = s = evaluate_policy(c, workdir, policy, os.path.join(workdir, f"{prefix}_{ev_name}"), pool,
+                                           sampled=sampled, split=split)
         lo, hi = s.get("accuracy_ci95") or (float("nan"), float("nan"))
         _log(f"    {ev_name}: accuracy {s['accuracy']:.3f} [{lo:.3f}, {hi:.3f}], tool-call rate {s['tool_rate']:.3f}")
-        timings[f"eval_{ev_name}"] = time.perf_counter() - t0
+        timings[f"{prefix}_{ev_name}"] = time.perf_counter() - t0
     return out
 
 
@@ -158,18 +162,26 @@ def _read_jsonl(path: str) -> list[dict]:
 STOPS = ("world", "sft", "sft_eval")
 
 
+def calibration_prefix(c) -> str:
+    """Where the SFT policy's validation evaluations are: WORKDIR/eval_* when `eval.split` is "val",
+    else WORKDIR/val_* (the world has a validation split) or, for a world without one, eval_*."""
+    return "val" if c.eval.split != "val" and c.world.get("n_val", 0) > 0 else "eval"
+
+
 def write_calibration(c, workdir: str) -> dict | None:
-    """The SFT policy per cell, greedy beside sampled (`eval.calibration`), to WORKDIR/calibration.{md,json};
-    None without a sampled evaluation."""
+    """The SFT policy per cell, greedy beside sampled (`eval.calibration`), on the validation split
+    (`calibration_prefix`), to WORKDIR/calibration.{md,json}; None without a sampled evaluation."""
     from eval import calibration
 
     if c.eval.samples <= 0:
         return None
-    recs = {n: _read_jsonl(os.path.join(workdir, f"eval_{n}", "trajectories.jsonl")) for n in ("sft", "sft_sampled")}
+    pre = calibration_prefix(c)
+    recs = {n: _read_jsonl(os.path.join(workdir, f"{pre}_{n}", "trajectories.jsonl")) for n in ("sft", "sft_sampled")}
     table = calibration.cells(recs["sft"], recs["sft_sampled"])
     md = calibration.markdown(table)
     with open(os.path.join(workdir, "calibration.md"), "w") as f:
-        f.write("# The SFT policy per cell: what RL can fix\n\n" + md)
+        split = "validation" if pre == "val" or c.eval.split == "val" else "held-out (test)"
+        f.write(f"# The SFT policy per cell on the {split} split: what RL can fix\n\n" + md)
     with open(os.path.join(workdir, "calibration.json"), "w") as f:
         json.dump({"cells": table, "learnable": [k for k, r in table.items() if calibration.learnable(r)]}, f,
                   indent=2)
@@ -216,8 +228,11 @@ def run(c, workdir: str, stop_after: str | None = None) -> dict:
 
     evals = {}
     with _pool(c) as pool:
-        _log("3/5 evaluating the SFT policy on the held-out split")
+        _log(f"3/5 evaluating the SFT policy on the {'validation' if c.eval.split == 'val' else 'test'} split")
         evals.update(_evaluate_phase(c, workdir, "sft", sft_policy, pool, timings))
+        if calibration_prefix(c) == "val":  # the calibration table reads the validation split only
+            _log("    and on the validation split (the calibration table)")
+            _evaluate_phase(c, workdir, "sft", sft_policy, pool, timings, split="val")
     write_calibration(c, workdir)
     if stop_after == "sft_eval":
         return {"world": world, **evals}

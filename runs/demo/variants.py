@@ -46,6 +46,8 @@ VARIANTS: dict[str, Variant] = {
                         {"rbat.turn_stats": "all"}),
     "turn_loo": Variant("R_turn per-turn leave-one-out baseline", "benchmarks/results/rturn_bias",
                         {"rbat.turn_stats": "all", "rbat.turn_baseline": "turn_loo"}),
+    "mastered_direct": Variant("R_BAT's d(mu) < 0 only where direct answers are all right (rbat.mastered)",
+                               "issue 47, P6", {"rbat.mastered": "direct"}),
     "kl": Variant("k3 KL to the SFT policy (beta 0.001)", "verl's low_var_kl default",
                   {"loss.kl_coef": 0.001}),
     "filter_pass": Variant("RL prompts the SFT policy sometimes solves (0 < pass < 8)", "CodeDance release",

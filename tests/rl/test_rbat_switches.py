@@ -226,3 +226,54 @@ def test_defaults_are_the_paper_and_validation_names_the_field():
     for field, bad in (("seq_norm", "mad"), ("turn_stats", "some"), ("turn_baseline", "critic")):
         with pytest.raises(ValueError, match=field):
             RBATConfig.paper(**{field: bad})
+
+
+def direct_mastery_reward(acc, fmt_ok, is_tool, failed, G, gamma=4.0, delta=0.2):
+    """`mastered="direct"`, one trajectory at a time: d(μ) keeps its sign only in a group whose
+    no-tool trajectories exist and are all correct; elsewhere max(d, 0)."""
+    B, M = is_tool.shape
+    r = np.zeros(B)
+    for b in range(B):
+        r[b] = acc[b] + (0.5 if fmt_ok[b] else 0.0)
+        tools = [m for m in range(M) if is_tool[b, m]]
+        if tools:
+            grp = range(b // G * G, b // G * G + G)
+            mu_acc = sum(acc[j] > 0 for j in grp) / G
+            d = 1 / (1 + math.exp(-gamma * (0.5 - mu_acc))) - delta
+            direct = [j for j in grp if not is_tool[j].any()]
+            if not (direct and all(acc[j] > 0 for j in direct)):
+                d = max(d, 0.0)
+            r[b] += (0.5 + 0.5 * (acc[b] > 0)) * d * sum(not failed[b, m] for m in tools) / len(tools)
+    return r
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_mastered_direct_matches_reference(seed):
+    rng = np.random.default_rng(seed)
+    P, G, M = 5, 4, 3
+    acc, fmt_ok, is_tool, failed, _, _ = random_batch(rng, P, G, M)
+    acc[:G] = 1.0  # a mastered group, whatever its tool use
+    cfg = RBATConfig.paper(mastered="direct")
+    parts = rbat_rewards(acc, fmt_ok, is_tool, failed, group_size=G, cfg=cfg)
+    np.testing.assert_allclose(np.asarray(parts["total"]), direct_mastery_reward(acc, fmt_ok, is_tool, failed, G),
+                               atol=1e-5)
+
+
+def test_mastered_direct_spares_a_hard_group_solved_by_tools():
+    """A group all right, every member with one successful tool call: the paper's d(1) < 0 penalises
+    each call; "direct" has no direct answer to call the tools redundant, so R_seq = 0. A group where a
+    direct answer is right and a tool call is right too: both penalise the call."""
+    G = 4
+    acc = np.ones(2 * G, np.float32)
+    fmt_ok = np.ones(2 * G, bool)
+    is_tool = np.zeros((2 * G, 2), bool)
+    is_tool[:G, 0] = True  # group 0: all tools
+    is_tool[G, 0] = True  # group 1: one tool, three direct answers
+    failed = np.zeros_like(is_tool)
+    paper = np.asarray(rbat_rewards(acc, fmt_ok, is_tool, failed, group_size=G, cfg=RBATConfig.paper())["r_seq"])
+    direct = np.asarray(rbat_rewards(acc, fmt_ok, is_tool, failed, group_size=G,
+                                     cfg=RBATConfig.paper(mastered="direct"))["r_seq"])
+    assert (paper[:G] < 0).all() and (direct[:G] == 0).all()
+    assert paper[G] < 0 and direct[G] == pytest.approx(paper[G])
+    with pytest.raises(Exception, match="mastered"):
+        RBATConfig.paper(mastered="never")

@@ -115,3 +115,38 @@ def test_find_hard_decoys_hide_the_answer():
         ys, xs = np.nonzero(mask)
         assert ys.min() > y0 and ys.max() < y1 and xs.min() > x0 and xs.max() < x1
         assert 14 <= x1 - x0 + 1 <= 18
+
+
+def test_touching_shapes_make_the_component_count_one_short():
+    """count_touch_rate: one more shape of the asked colour touches another, so the answer counts it
+    while the connected components (the expert's and the independent check's) merge the two."""
+    touched = 0
+    for seed in range(40):
+        it = make_item("count", "hard", seed, "t", count_questions=("count_color",), count_touch_rate=1.0)
+        pixels = int(verify_item(it))
+        if it.meta["touching"]:
+            touched += 1
+            assert pixels == int(it.answer) - 1, seed
+            extra = it.meta["shapes"][-1]
+            assert extra["color"] == it.meta["color"] and "touches" in extra
+        else:  # no placement fitted: an ordinary item
+            assert pixels == int(it.answer), seed
+    assert touched >= 30
+    # Rate 0 draws nothing more: the same item as without the knob.
+    a = make_item("count", "hard", 5, "t", count_questions=("count_color",), count_touch_rate=0.0)
+    b = make_item("count", "hard", 5, "t", count_questions=("count_color",))
+    assert a.question == b.question and a.answer == b.answer and a.image.tobytes() == b.image.tobytes()
+    with pytest.raises(ValueError, match="count_touch_rate"):
+        make_item("count", "hard", 0, "t", count_touch_rate=1.5)
+
+
+def test_count_target_rate_and_find_colors():
+    kinds = collections.Counter(
+        make_item("count", "hard", s, "t", count_questions=("count_color", "count_target"),
+                  count_target_rate=0.25).meta["question_kind"] for s in range(200))
+    assert 30 <= kinds["count_target"] <= 70, kinds
+    colors = {make_item("find", "hard", s, "t", find_colors=tuple(PALETTE)).answer for s in range(200)}
+    assert colors == set(PALETTE)
+    assert {make_item("find", "hard", s, "t").answer for s in range(100)} <= set(ANSWER_COLORS)
+    with pytest.raises(ValueError, match="find_colors"):
+        make_item("find", "hard", 0, "t", find_colors=("teal",))

@@ -66,7 +66,7 @@ def test_easy_code_families_in_world(pool, tmp_path):
         generate_world(tmp_path / "x", pool=pool, easy_code_families=("counting",), **TINY)
 
 
-@pytest.mark.parametrize("split", ["rl", "eval"])
+@pytest.mark.parametrize("split", ["rl", "val", "eval"])
 def test_prompts_load_and_verify(world, split):
     d, _ = world
     rows = load_prompts(os.path.join(d, split, "prompts.jsonl"))
@@ -91,9 +91,15 @@ def test_deterministic(world, pool, tmp_path):
 
 
 def test_splits_are_disjoint(world):
-    d, _ = world
+    """The four splits (SFT, RL, validation, test) share no image; each has its own split code."""
+    from data.toyworld.world import SPLIT_CODES
+
+    assert len(set(SPLIT_CODES.values())) == len(SPLIT_CODES) == 4
+    d, info = world
+    assert info["splits"]["val"]["n"] == TINY["n_val"] > 0
     seen = {}
-    for split, rel in (("sft", "sft/sft.jsonl"), ("rl", "rl/prompts.jsonl"), ("eval", "eval/prompts.jsonl")):
+    for split, rel in (("sft", "sft/sft.jsonl"), ("rl", "rl/prompts.jsonl"), ("val", "val/prompts.jsonl"),
+                       ("eval", "eval/prompts.jsonl")):
         with open(os.path.join(d, rel)) as f:
             for line in f:
                 png = os.path.join(d, split, json.loads(line)["images"][0])
