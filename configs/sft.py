@@ -31,6 +31,10 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # does not divide it (codedance_jax.sharding.param_shardings raises past it, naming them).
     c.sharding_tolerance = 0.02
 
+    # The gradient's divisor: 0 = the batch's loss-token count (the token mean); N > 0 = the constant N, so every
+    # loss token of the data weighs the same whatever batch it lands in (set it near the mean loss tokens per
+    # batch; codedance_jax/train/sft.py).
+    c.norm_tokens = 0
     c.batch_size = 128  # global, in trajectories
     c.grad_accum = 8
     c.total_steps = 265  # ~1 epoch of 34K trajectories at batch 128

@@ -103,16 +103,19 @@ def main(argv):
     else:
         ablate(f.config, f.workdir, modes, **kw)
     if f.predictions:
-        _judge(f.workdir, [int(w) for w in f.worlds] or [f.config.seed], kw["seeds"] or (f.config.grpo.seed,))
+        _judge(f.config, f.workdir, [int(w) for w in f.worlds] or [f.config.seed], kw["seeds"] or (f.config.grpo.seed,))
 
 
-def _judge(workdir: str, worlds, seeds) -> None:
+def _judge(c, workdir: str, worlds, seeds) -> None:
     import json
 
     from runs.demo import predictions
 
     verdicts = predictions.judge(predictions.load(workdir, worlds, seeds))
-    md = predictions.markdown(verdicts)
+    dig = predictions.digests(c)
+    md = (f"Frozen configuration: world digest {dig['world']}, recipe digest {dig['recipe']}; worlds "
+          f"{', '.join(map(str, worlds))} x GRPO seeds {', '.join(map(str, seeds))}.\n\n" + predictions.markdown(verdicts))
+    verdicts = [{**v, "digests": dig} for v in verdicts]
     with open(os.path.join(workdir, "predictions.md"), "w") as fh:
         fh.write(md)
     with open(os.path.join(workdir, "predictions.json"), "w") as fh:

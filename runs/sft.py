@@ -175,7 +175,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
 def step_builder(config, run: setup.Run, mesh, rules, tx, sched, bsh: dict):
     return lambda: sft.make_train_step(run.mdef, tx, sched, run.state_sh, bsh, mesh, accum_steps=config.grad_accum,
-                                       rules=rules)
+                                       rules=rules, norm_tokens=int(config.get("norm_tokens", 0) or 0))
 
 
 def warm_up(config, workdir: str, run: setup.Run, processor, cfg: ModelConfig, mesh, rules, tx, sched, per_host: int) -> dict:

@@ -3,6 +3,12 @@
 The loss is the token mean over the whole global batch (sum of -log p over `loss_mask`, divided
 by the number of loss tokens), so it is the same number whatever the mesh shape or the number of
 micro-batches: accumulation sums token losses and token counts and divides once.
+
+`norm_tokens` > 0 divides the gradient by that constant instead (the reported loss stays the token
+mean): every loss token of the data then weighs the same, whatever batch it lands in. With the
+token mean, a batch of short examples gives each of its tokens more weight than a batch of long
+ones, and length-grouped batches (`data.group_window`) make that systematic: the toy world's SFT
+policy took the short (direct) choice 3-9 times more often than its data did (issue 47).
 """
 
 from __future__ import annotations
@@ -91,8 +97,10 @@ def split_micro(batch: dict, n: int) -> dict:
     return out
 
 
-def train_step(state: TrainState, batch: dict, rng, *, mdef: ModelDef, tx, schedule, accum_steps: int = 1, chunk: int = 512):
-    """One optimizer update on a global batch. Pure; jit with `make_train_step`."""
+def train_step(state: TrainState, batch: dict, rng, *, mdef: ModelDef, tx, schedule, accum_steps: int = 1, chunk: int = 512,
+               norm_tokens: int = 0):
+    """One optimizer update on a global batch. Pure; jit with `make_train_step`. `norm_tokens`: the
+    gradient's constant divisor (0: the batch's loss-token count)."""
     del rng  # SFT has no stochastic layers; the signature is shared with GRPO
     grad_fn = jax.value_and_grad(sft_loss_sums, has_aux=True)
 
@@ -108,7 +116,8 @@ def train_step(state: TrainState, batch: dict, rng, *, mdef: ModelDef, tx, sched
     else:
         (g, loss_sum, n), _ = jax.lax.scan(micro, (zeros, 0.0, 0.0), split_micro(batch, accum_steps))
     denom = jnp.maximum(n, 1.0)
-    grads = jax.tree.map(lambda x: x / denom, g)
+    grad_denom = denom if norm_tokens <= 0 else jnp.float32(norm_tokens)
+    grads = jax.tree.map(lambda x: x / grad_denom, g)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {
@@ -124,7 +133,7 @@ def train_step(state: TrainState, batch: dict, rng, *, mdef: ModelDef, tx, sched
 
 
 def make_train_step(mdef: ModelDef, tx, schedule, state_sh, batch_sh, mesh, *, accum_steps: int = 1, chunk: int = 512,
-                    rules=None, compiler_options=None):
+                    rules=None, compiler_options=None, norm_tokens: int = 0):
     """jit(train_step) with explicit in/out shardings and the state donated (`rules`: the state's logical rules).
 
     `compiler_options`: XLA options for this step's compiles only (None: XLA's defaults), e.g.
@@ -132,7 +141,8 @@ def make_train_step(mdef: ModelDef, tx, schedule, state_sh, batch_sh, mesh, *, a
     steps of a tiny model: on XLA CPU it halved a tiny SFT step's compile (11.7 -> 6.6 s).
     """
     replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
-    fn = functools.partial(train_step, mdef=mdef, tx=tx, schedule=schedule, accum_steps=accum_steps, chunk=chunk)
+    fn = functools.partial(train_step, mdef=mdef, tx=tx, schedule=schedule, accum_steps=accum_steps, chunk=chunk,
+                           norm_tokens=int(norm_tokens))
     # FSDP at use: weights gathered per layer, activations and gradients kept sharded (issue 19).
     fn = shd.with_compute_sharding(fn, mesh, rules)
     return jax.jit(fn, in_shardings=(state_sh, batch_sh, replicated), out_shardings=(state_sh, replicated), donate_argnums=0,

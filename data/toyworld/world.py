@@ -7,6 +7,8 @@ Layout under `out_dir`:
     val/prompts.jsonl, val/img/*.png      the validation split (`n_val` > 0): a balanced family x difficulty
                                           grid; every calibration and recipe choice reads it
     eval/prompts.jsonl, eval/img/*.png    the test split, the same grid: reported once per frozen configuration
+    {val,eval}/probes.jsonl               `n_probe` items of each fragile sub-cell (`PROBE_KINDS`), kept out
+                                          of the grids and reported apart
     processor/                            the toy tokenizer + preprocessor (Processor.from_pretrained)
     world.json                            counts, tokens per trajectory, easy items with code,
                                           sandbox time, vocab size
@@ -57,6 +59,14 @@ from data.trajectory import Message, parse_record
 # where every calibration, recipe choice and reading of errors is done (issue 47).
 SPLIT_CODES = {"sft": 1, "rl": 2, "eval": 3, "val": 4}
 EVAL_SPLITS = ("val", "eval")
+# Probes: fragile sub-cells that the SFT and RL splits hold at their natural rates, kept out of the
+# val / test grids (whose cells stay what they are designed to be) and written beside them as
+# {split}/probes.jsonl, `n_probe` items of each kind, reported on their own (issue 47). Their random
+# streams: split code 10 + the eval split's code, then the probe's index.
+PROBE_KINDS: dict[str, tuple[str, str, dict]] = {
+    "yellow_easy_count": ("count", "easy", {"easy_count_colors": ("yellow",)}),
+    "color_kind_count": ("count", "hard", {"count_questions": ("count_target",), "count_target_rate": None}),
+}
 SANDBOX_LIMITS = dict(timeout_s=20.0, memory_mb=512)
 
 
@@ -97,6 +107,36 @@ def make_split(split: str, n: int, seed: int, hard_frac: float, exclude: set[str
     return items, redraws
 
 
+def grid_options(item_options: dict) -> dict:
+    """The val / test grids' item options when probes are written apart: no probe kind in them."""
+    opts = dict(item_options)
+    colors = tuple(c for c in opts.get("easy_count_colors", ANSWER_COLORS) if c != "yellow")
+    questions = tuple(q for q in opts.get("count_questions", ("count_target",)) if q != "count_target")
+    if not colors or not questions:
+        raise ValueError("with probes (n_probe > 0) the grids need a non-yellow easy count colour and the "
+                         "count_color question")
+    opts.update(easy_count_colors=colors, count_questions=questions, count_target_rate=None)
+    return opts
+
+
+def make_probes(split: str, n: int, seed: int, exclude: set[str], **item_options) -> list[Item]:
+    """`n` items of each `PROBE_KINDS` entry for eval split `split`, ids `{split}-probe-{kind}-{i}`."""
+    items = []
+    for k, (kind, (fam, diff, over)) in enumerate(PROBE_KINDS.items()):
+        for i in range(n):
+            attempt = 0
+            while True:
+                key = [seed, 10 + SPLIT_CODES[split], k, i] + ([attempt] if attempt else [])
+                item = make_item(fam, diff, np.random.default_rng(key), f"{split}-probe-{kind}-{i:03d}",
+                                 **{**item_options, **over})
+                if _key(item) not in exclude:
+                    break
+                attempt += 1
+            exclude.add(_key(item))
+            items.append(item)
+    return items
+
+
 def _write_png(path: str, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
@@ -116,11 +156,11 @@ def probe(item: Item) -> str:
     return ""
 
 
-def write_prompts(directory: str, items: list[Item]) -> str:
-    """`prompts.jsonl` + `img/{id}.png` under `directory`; returns the JSONL path. Each row's
+def write_prompts(directory: str, items: list[Item], name: str = "prompts.jsonl") -> str:
+    """`name` (prompts.jsonl) + `img/{id}.png` under `directory`; returns the JSONL path. Each row's
     `probe` names the fragile sub-cell it belongs to (`probe`), "" for none."""
     os.makedirs(os.path.join(directory, "img"), exist_ok=True)
-    path = os.path.join(directory, "prompts.jsonl")
+    path = os.path.join(directory, name)
     with open(path, "w") as f:
         for it in items:
             rel = f"img/{it.id}.png"
@@ -217,6 +257,7 @@ def generate_world(
     count_touch_rate: float = 0.0,
     find_colors: tuple[str, ...] = ANSWER_COLORS,
     n_val: int = 0,
+    n_probe: int = 0,
     vocab_size: int = DEFAULT_VOCAB,
     max_pixels: int = DEFAULT_MAX_PIXELS,
 ) -> dict[str, Any]:
@@ -237,9 +278,13 @@ def generate_world(
     sft_items, _ = make_split("sft", n_sft, seed, hard_frac, **{**qs, "count_touch_rate": 0.0})
     rl_items, _ = make_split("rl", n_rl, seed, hard_frac, **qs)
     seen = {_key(it) for it in sft_items + rl_items}
-    val_items, val_redraws = make_split("val", n_val, seed, hard_frac, exclude=seen, **qs)
+    grid = grid_options(qs) if n_probe else qs
+    val_items, val_redraws = make_split("val", n_val, seed, hard_frac, exclude=seen, **grid)
     seen |= {_key(it) for it in val_items}
-    eval_items, redraws = make_split("eval", n_eval, seed, hard_frac, exclude=seen, **qs)
+    eval_items, redraws = make_split("eval", n_eval, seed, hard_frac, exclude=seen, **grid)
+    seen |= {_key(it) for it in eval_items}
+    probes = {sp: make_probes(sp, n_probe, seed, seen, **qs) if n_probe and n else []
+              for sp, n in (("val", n_val), ("eval", n_eval))}
 
     t_sb = time.monotonic()
     for name, fams in (("easy_code_families", easy_code_families), ("hard_direct_families", hard_direct_families)):
@@ -264,10 +309,14 @@ def generate_world(
     write_prompts(os.path.join(out_dir, "eval"), eval_items)
     if val_items:
         write_prompts(os.path.join(out_dir, "val"), val_items)
+    for sp, items in probes.items():
+        if items:
+            write_prompts(os.path.join(out_dir, sp), items, "probes.jsonl")
 
     # Tokenizer corpus: every SFT text as rendered for training, and every RL / eval prompt.
     sft_msgs = [parse_record({k: r[k] for k in ("id", "images", "messages")})[2] for r in records]
-    prompts = [[Message("user", user_content(it.question), 1)] for it in rl_items + val_items + eval_items]
+    prompts = [[Message("user", user_content(it.question), 1)]
+               for it in rl_items + val_items + eval_items + probes["val"] + probes["eval"]]
     texts = [render(m).text for m in sft_msgs] + [render(m).text for m in prompts]
     special = write_toy_processor_files(
         os.path.join(out_dir, "processor"), texts, vocab_size=vocab_size, max_pixels=max_pixels
@@ -308,6 +357,8 @@ def generate_world(
                 "redrawn_duplicates": val_redraws,
             },
         },
+        "probes": {sp: dict(sorted(collections.Counter(probe(it) for it in items).items()))
+                   for sp, items in probes.items()},
         "touching_items": {k: sum(1 for it in items if it.meta.get("touching"))
                            for k, items in (("rl", rl_items), ("val", val_items), ("eval", eval_items))},
         "sft_tokens_per_trajectory": {k: _stats(v) for k, v in sorted(tokens.items())},

@@ -74,7 +74,7 @@ def eval_phases(c, name: str) -> list[tuple[str, bool]]:
 
 
 def evaluate_policy(c, workdir: str, policy: str, out_dir: str, pool, *, sampled: bool = False,
-                    split: str | None = None) -> dict:
+                    split: str | None = None, file: str = "prompts.jsonl") -> dict:
     """Rollouts of a held-out split (`split`, default `eval.split`: "eval" = test, "val" = validation), greedy (one per item) or sampled (`eval.samples` per item at
     `eval.temperature`); writes trajectories.jsonl (+ `text`, `meta`) and summary.json (the rates'
     95% intervals included)."""
@@ -91,7 +91,7 @@ def evaluate_policy(c, workdir: str, policy: str, out_dir: str, pool, *, sampled
         with open(summary_path) as f:
             return json.load(f)
     e = c.eval
-    prompts = read_prompts_jsonl(os.path.join(world_dir(workdir), split or e.split, "prompts.jsonl"))
+    prompts = read_prompts_jsonl(os.path.join(world_dir(workdir), split or e.split, file))
     if e.limit:
         prompts = prompts[: e.limit]
     model, processor = codedance_jax.from_pretrained(policy)
@@ -142,7 +142,29 @@ def _evaluate_phase(c, workdir: str, name: str, policy: str, pool, timings: dict
         lo, hi = s.get("accuracy_ci95") or (float("nan"), float("nan"))
         _log(f"    {ev_name}: accuracy {s['accuracy']:.3f} [{lo:.3f}, {hi:.3f}], tool-call rate {s['tool_rate']:.3f}")
         timings[f"{prefix}_{ev_name}"] = time.perf_counter() - t0
+    probes = evaluate_probes(c, workdir, policy, os.path.join(workdir, f"{prefix}_{name}_probes"), pool, split)
+    if probes is not None:
+        out[f"{name}_probes"] = probes
     return out
+
+
+def probes_path(c, workdir: str, split: str | None = None) -> str:
+    return os.path.join(world_dir(workdir), split or c.eval.split, "probes.jsonl")
+
+
+def evaluate_probes(c, workdir: str, policy: str, out_dir: str, pool, split: str | None = None) -> dict | None:
+    """Greedy rollouts of the split's probes (world/{split}/probes.jsonl, if the world has them), with
+    accuracy per probe (`probe=...` keys); None without probes."""
+    if not os.path.exists(probes_path(c, workdir, split)):
+        return None
+    t0 = time.perf_counter()
+    e = ml_collections.ConfigDict(c.to_dict())
+    e.eval.metric_keys = ("probe",)
+    s = evaluate_policy(e, workdir, policy, out_dir, pool, split=split, file="probes.jsonl")
+    _log("    probes: " + ", ".join(f"{k.split('/')[0][len('probe='):]} {v:.3f}" for k, v in sorted(s.items())
+                                   if k.startswith("probe=") and k.endswith("/accuracy"))
+         + f" ({time.perf_counter() - t0:.0f} s)")
+    return s
 
 
 def _pool(c):
@@ -389,6 +411,9 @@ def ablate(c, workdir: str, modes=tuple(table3.MODE_NAMES), *, seeds=(), presets
         for name, sampled in eval_phases(c, "sft"):
             results[name] = evaluate_policy(c, workdir, sft_policy, os.path.join(workdir, f"eval_{name}"), pool,
                                             sampled=sampled)
+        probes = evaluate_probes(c, workdir, sft_policy, os.path.join(workdir, "eval_sft_probes"), pool)
+        if probes is not None:
+            results["sft_probes"] = probes
     for seed in seed_list:  # seed by seed: a stopped ablation has whole tables for its first seeds
         for row in table_rows:
             t0 = time.perf_counter()
@@ -403,6 +428,10 @@ def ablate(c, workdir: str, modes=tuple(table3.MODE_NAMES), *, seeds=(), presets
                 for name, sampled in eval_phases(c, run):
                     out = os.path.join(workdir, "ablate", "eval_" + name.replace("/", "_"))
                     results[name] = evaluate_policy(c, workdir, policy, out, pool, sampled=sampled)
+                out = os.path.join(workdir, "ablate", "eval_" + run.replace("/", "_") + "_probes")
+                probes = evaluate_probes(c, workdir, policy, out, pool)
+                if probes is not None:
+                    results[f"{run}_probes"] = probes
             drift = grpo_drift(c, workdir, sft_policy, run_dir)
             results[f"{run}_drift"] = drift
             if drift:  # the greedy row's column: how far the run moved from SFT at its last saved step

@@ -13,6 +13,7 @@ metrics.jsonl of each GRPO run), so it can be re-run on a committed copy of them
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -128,6 +129,30 @@ def probe_rate(runs: Sequence[Run], probe: str) -> tuple[float, int, tuple[float
     if not hits:
         return float("nan"), 0, (float("nan"), float("nan"))
     return _mean(hits), len(hits), wilson(sum(hits), len(hits))
+
+
+WORLD_SOURCES = ("data/toyworld/tasks.py", "data/toyworld/expert.py", "data/toyworld/world.py",
+                 "data/toyworld/tokenizer.py")
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def digests(c, root: str | None = None) -> dict:
+    """The frozen configuration's fingerprints: `world` (the world knobs of configs/demo.py and the
+    generator's source files) and `recipe` (the SFT, GRPO and evaluation configs), seeds left out,
+    so every world seed and GRPO seed of one configuration has the same digests."""
+    root = root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def canon(d: dict) -> bytes:
+        d = {k: v for k, v in d.items() if k != "seed"}
+        return json.dumps(d, sort_keys=True, default=str).encode()
+
+    src = b"".join(open(os.path.join(root, p), "rb").read() for p in WORLD_SOURCES)
+    recipe = {k: {kk: vv for kk, vv in c[k].to_dict().items() if kk not in ("seed", "init_from")}
+              for k in ("sft", "grpo", "eval")}
+    return {"world": _sha(canon(c.world.to_dict()) + src), "recipe": _sha(canon(recipe))}
 
 
 def _pct(x: float) -> str:
