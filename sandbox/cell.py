@@ -169,6 +169,19 @@ def _set_oom_score_adj(value: int) -> None:
         pass
 
 
+def _reap_strays() -> None:
+    """Reap the holder's exited children: processes an earlier cell started (this holder was that
+    cell) and the supervisor killed after it. Left as zombies they would stay in the session's /proc
+    for as long as this holder lives (issue 49)."""
+    while True:
+        try:
+            pid, _ = _waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
 def _holder_loop(sock, namespace: dict, cfg: dict) -> None:
     while True:
         try:
@@ -180,6 +193,7 @@ def _holder_loop(sock, namespace: dict, cfg: dict) -> None:
                 _close(fd)
             continue
         res_w, out_w, err_w = fds
+        _reap_strays()
         pid = _fork()  # raises when it cannot: the holder dies and the session is reported lost
         if pid == 0:
             try:

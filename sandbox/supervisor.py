@@ -316,6 +316,32 @@ class Supervisor:
             if not fds and attempt:
                 time.sleep(0.0005)
         self._reap()
+        self._wait_gone(keep)
+
+    def _wait_gone(self, keep: int | None, timeout_s: float = 5.0) -> None:
+        """Until no process but us and `keep` is left in /proc (`_kill_all_but` stops at "dying": SIGKILL
+        pending or exiting; on a loaded machine such a process may still be there when the next cell
+        lists /proc, issue 49). Zombies of `keep` are its own to reap. Bounded by `timeout_s`."""
+        me = os.getpid()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._reap()
+            left = []
+            for name in os.listdir("/proc"):
+                if not name.isdigit() or int(name) in (me, keep):
+                    continue
+                pid = int(name)
+                if keep is not None and _parent(pid) == keep and _zombie(pid):
+                    continue
+                left.append(pid)
+            if not left or time.monotonic() > deadline:
+                return
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            time.sleep(0.001)
 
     def _reap(self) -> None:
         while True:
@@ -376,6 +402,14 @@ def _alive(pid: int) -> bool:
         if line.startswith((b"SigPnd:", b"ShdPnd:")) and int(line.split()[1], 16) & _SIGKILL_BIT:
             return False
     return True
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] in (b"Z", b"X")
+    except OSError:
+        return True
 
 
 def _is_int(x) -> bool:

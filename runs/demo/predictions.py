@@ -49,6 +49,7 @@ class Run:
     summary: dict
     items: dict  # prompt id -> (correct 0/1, meta)
     steps: list  # metrics.jsonl rows ([] for SFT)
+    probes: dict = dataclasses.field(default_factory=dict)  # the probes' items, as `items`
 
     def get(self, key: str) -> float:
         return float(self.summary[key])
@@ -64,10 +65,12 @@ def _read_jsonl(path: str) -> list[dict]:
 def load_run(eval_dir: str, run_dir: str | None, world: str, seed: int | None) -> Run:
     with open(os.path.join(eval_dir, "summary.json")) as f:
         summary = json.load(f)
-    items = {r["prompt_id"]: (float(bool(r.get("correct"))), r.get("meta") or {})
-             for r in _read_jsonl(os.path.join(eval_dir, "trajectories.jsonl"))}
+    def items(d):
+        return {r["prompt_id"]: (float(bool(r.get("correct"))), r.get("meta") or {})
+                for r in _read_jsonl(os.path.join(d, "trajectories.jsonl"))}
+
     steps = _read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if run_dir else []
-    return Run(world, seed, summary, items, steps)
+    return Run(world, seed, summary, items(eval_dir), steps, items(eval_dir + "_probes"))
 
 
 def load(workdir: str, worlds: Sequence[int], seeds: Sequence[int], rows: Sequence[str] = ("outcome", "full")):
@@ -125,7 +128,7 @@ def cell_acc(run: Run, cell: str) -> float:
 
 def probe_rate(runs: Sequence[Run], probe: str) -> tuple[float, int, tuple[float, float]]:
     """Accuracy on a probe's items pooled over `runs`: rate, items x runs, Wilson 95% interval."""
-    hits = [c for r in runs for c, meta in r.items.values() if meta.get("probe") == probe]
+    hits = [c for r in runs for c, meta in (*r.items.values(), *r.probes.values()) if meta.get("probe") == probe]
     if not hits:
         return float("nan"), 0, (float("nan"), float("nan"))
     return _mean(hits), len(hits), wilson(sum(hits), len(hits))
