@@ -100,7 +100,9 @@ def effect_checks(evals: Mapping[str, Mapping], diffs: Mapping[str, Mapping], sp
         out.append({"name": name, "met": met, "detail": detail})
 
     gain = float(spec.get("accuracy_gain", 0.05))
+    gains = {"sampled": float(spec.get("sampled_accuracy_gain", gain)), "greedy": gain}
     for label, b, a, pair in (("sampled", bs, as_, sampled), ("greedy", before, after, greedy)):
+        g = gains[label]
         cell = ((paired or {}).get(f"{a} - {b}") or {}).get("groups", {}).get("all")
         if cell:
             diff, ci = cell["diff"], cell["paired_ci95"]
@@ -110,9 +112,29 @@ def effect_checks(evals: Mapping[str, Mapping], diffs: Mapping[str, Mapping], sp
         else:
             d = pair.get("accuracy") or {}
             diff, ci, how = d.get("diff"), d.get("ci95"), "Newcombe's interval"
-        ok = None if diff is None or ci is None else bool(diff >= gain and ci[0] > 0)
-        add(f"{label} accuracy {a} >= {b} + {100 * gain:.0f} pts, interval above 0", ok,
-            f"{fmt_diff(diff, ci)} ({how})")
+        if g > 0:
+            ok = None if diff is None or ci is None else bool(diff >= g and ci[0] > 0)
+            name = f"{label} accuracy {a} >= {b} + {100 * g:.0f} pts, interval above 0"
+        else:  # issue 47's demo: sampled accuracy up
+            ok = None if diff is None else bool(diff > 0)
+            name = f"{label} accuracy {a} above {b}"
+        add(name, ok, f"{fmt_diff(diff, ci)} ({how})")
+    if "accuracy_max" in spec:  # issue 47: the world leaves headroom; no saturation
+        v = to_float(lookup(evals.get(after), "accuracy")) if evals.get(after) else None
+        add(f"greedy accuracy {after} <= {fmt_metric('accuracy', float(spec['accuracy_max']))}",
+            None if v is None else bool(v <= float(spec["accuracy_max"])), fmt_metric("accuracy", v))
+    if "sft_easy_tool_rate_min" in spec:  # issue 47: the cold start over-calls tools on easy items
+        v = to_float(lookup(evals.get(before), "easy_tool_rate")) if evals.get(before) else None
+        thr = float(spec["sft_easy_tool_rate_min"])
+        add(f"greedy easy-item tool-call rate {before} >= {fmt_metric('tool_rate', thr)}",
+            None if v is None else bool(v >= thr), fmt_metric("tool_rate", v))
+    if "turns_drop" in spec:  # issue 47: R_BAT cuts turns
+        tb = to_float(lookup(evals.get(before), "avg_turns")) if evals.get(before) else None
+        ta = to_float(lookup(evals.get(after), "avg_turns")) if evals.get(after) else None
+        drop = float(spec["turns_drop"])
+        add(f"greedy turns {after} <= {before} - {drop:.2f}",
+            None if tb is None or ta is None else bool(ta <= tb - drop + 1e-9),
+            "n/a" if tb is None or ta is None else f"{tb:.2f} -> {ta:.2f}")
     for pair, label in ((greedy, "greedy"), (sampled, "sampled")):
         for key in ("accuracy", "accuracy, hard"):
             d = pair.get(key) or {}

@@ -144,8 +144,9 @@ def _sha(data: bytes) -> str:
 
 def digests(c, root: str | None = None) -> dict:
     """The frozen configuration's fingerprints: `world` (the world knobs of configs/demo.py and the
-    generator's source files) and `recipe` (the SFT, GRPO and evaluation configs), seeds left out,
-    so every world seed and GRPO seed of one configuration has the same digests."""
+    generator's source files) and `recipe` (the SFT and GRPO run configs), seeds and paths left out,
+    so every world seed and GRPO seed of one configuration has the same digests. How a policy is
+    evaluated (greedy only, or also sampled) is not part of it: it trains nothing."""
     root = root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
     def canon(d: dict) -> bytes:
@@ -154,7 +155,7 @@ def digests(c, root: str | None = None) -> dict:
 
     src = b"".join(open(os.path.join(root, p), "rb").read() for p in WORLD_SOURCES)
     recipe = {k: {kk: vv for kk, vv in c[k].to_dict().items() if kk not in ("seed", "init_from")}
-              for k in ("sft", "grpo", "eval")}
+              for k in ("sft", "grpo")}
     return {"world": _sha(canon(c.world.to_dict()) + src), "recipe": _sha(canon(recipe))}
 
 
@@ -201,9 +202,12 @@ def judge(data: dict, outcome: str = "outcome", rbat: str = "full") -> list[dict
     pairs = {(r.world, r.seed): r for r in out}
     diffs = [r.get("accuracy") - pairs[r.world, r.seed].get("accuracy") for r in rb]
     pos = sum(d > 0 for d in diffs)
+    sd = statistics.stdev(diffs) if len(diffs) > 1 else float("nan")
+    need = "n/a" if not sd == sd else str(max(2, math.ceil((2.49 * sd / 0.013) ** 2)))
     add("P4", _mean(diffs) >= 0.02 and pos >= 6 * len(diffs) / 9,
         f"R_BAT - outcome-only {100 * _mean(diffs):+.1f} pts, positive in {pos}/{len(diffs)} runs "
-        f"(ties {sum(d == 0 for d in diffs)})")
+        f"(ties {sum(d == 0 for d in diffs)}); sigma_d {100 * sd:.1f} pts, so resolving +1.3 pts "
+        f"(one-sided 5%, power 80%) takes about {need} paired runs")
 
     firsts = [(first_step(r), first_step(pairs[r.world, r.seed])) for r in rb]
     earlier = sum(a < b for a, b in firsts)

@@ -42,6 +42,7 @@ def test_each_variant_changes_exactly_its_fields(name, tmp_path):
     rb, loss = grpo_run.rbat_config(g.rbat, max_new_tokens=budget), grpo_run.loss_config(g.loss, max_new_tokens=budget)
     fc = grpo_run.filter_config(g)
     library = {"rbat.seq_norm": rb.seq_norm, "rbat.turn_stats": rb.turn_stats, "rbat.turn_baseline": rb.turn_baseline,
+               "rbat.mastered": rb.mastered,
                "rbat.overlong_cache": rb.overlong_cache, "loss.aggregation": loss.aggregation, "loss.ratio": loss.ratio,
                "loss.clip_eps_low": loss.eps_low, "loss.clip_eps_high": loss.eps_high, "loss.kl_coef": loss.kl_coef,
                "filter.groups": fc["groups"], "filter.mask_truncated": fc["mask_truncated"],

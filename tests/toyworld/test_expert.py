@@ -99,7 +99,12 @@ def test_easy_with_code_runs_clean(pool, family):
         rec = expert_trajectory(item, pool.new_session, np.random.default_rng(seed), error_rate=1.0, easy_code_rate=1.0)
         assert _turns(rec) == ["user", "assistant", "observation", "assistant"]
         code, obs, final = rec["messages"][1:]
-        assert code["content"].startswith(f"<think>{THINK[family, 'easy_code']}</think>\n<code>\n```python\n")
+        think = THINK[family, "easy_code"].format(answer=item.answer)
+        assert code["content"].startswith(f"<think>{think}</think>\n<code>\n```python\n")
+        # The choice comes after the description, which is the direct answer's too (issue 47).
+        direct = THINK[family, "easy"].format(answer=item.answer)
+        shared = think.split(", but ")[0]
+        assert direct.startswith(shared + ", so ") and item.answer in shared
         assert expert_code(item).rstrip() in code["content"]
         assert "[status:" not in obs["content"]
         assert final["content"].endswith(f"<answer>{item.answer}</answer>")
