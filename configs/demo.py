@@ -172,7 +172,10 @@ def get_config(preset: str = "default") -> ml_collections.ConfigDict:
     for k in ("num_workers", "timeout_s", "memory_mb"):
         setattr(c.eval.sandbox, k, g.sandbox.get_ref(k))
 
-    c.targets = ml_collections.ConfigDict(dict(hard_accuracy=0.9, overall_accuracy=0.75))
+    # Absolute accuracy targets per evaluation (the report's targets table): none since issue 47. Its world keeps
+    # headroom on purpose (touching shapes, an imperfect crop), so issue 18's hard accuracy >= 90% no longer
+    # describes success; the effect checks below (GRPO against SFT) do.
+    c.targets = ml_collections.ConfigDict()
     # Issue 18's targets for GRPO against SFT (demo/report.py: effect_checks): sampled accuracy up by
     # accuracy_gain with its interval above 0, greedy and hard accuracy not lower, the easy-item tool
     # rate at most easy_tool_rate_ratio of SFT's (greedy and sampled), hard items' >= hard_tool_rate_min;
