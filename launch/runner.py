@@ -29,6 +29,7 @@ import traceback
 from absl import app, flags
 
 from codedance_jax.errors import UserError, disk_full
+from sandbox.pool import SandboxUnavailable
 
 flags.DEFINE_bool("verbose", False, "Show the traceback of user errors too (also: CODEDANCE_VERBOSE=1).")
 
@@ -181,6 +182,8 @@ def _translate(e: BaseException) -> tuple[str, str] | None:
     """A known user-error exception -> (message, fix); None for a bug."""
     if isinstance(e, UserError):
         return e.message, e.fix
+    if isinstance(e, SandboxUnavailable):
+        return str(e), e.fix
     if not isinstance(e, OSError) and disk_full(e):  # wrapped (orbax: a ValueError from a writer thread)
         path = re.search(r'"(/[^"]+)"', str(e))
         return (f"{path.group(1) + ': ' if path else ''}no space left on the device while writing",

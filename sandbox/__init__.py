@@ -98,7 +98,7 @@ NOT protected against / limits:
 """
 
 from sandbox.owner import PoolThread
-from sandbox.pool import SandboxError, SandboxPool, Session
+from sandbox.pool import SandboxError, SandboxPool, SandboxUnavailable, Session
 from sandbox.result import ExecResult
 
-__all__ = ["ExecResult", "PoolThread", "SandboxError", "SandboxPool", "Session"]
+__all__ = ["ExecResult", "PoolThread", "SandboxError", "SandboxPool", "SandboxUnavailable", "Session"]

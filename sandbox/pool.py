@@ -62,6 +62,13 @@ class SandboxError(RuntimeError):
     """The pool could not start, or a session could not be created."""
 
 
+class SandboxUnavailable(SandboxError):
+    """This machine cannot run the sandbox as set up (not root): a user's fix, not a bug; the
+    launchers report it in one line and exit 2."""
+
+    fix = "run as root (in a container if need be): the sandbox creates namespaces, mounts and cgroups"
+
+
 class SandboxPool:
     """A warm zygote process plus the sessions forked from it.
 
@@ -80,8 +87,8 @@ class SandboxPool:
                  max_image_pixels: int = 4_000_000, cpus_per_session: float = 1.0,
                  spare_sessions: int | None = None) -> None:
         if os.geteuid() != 0:
-            raise SandboxError("SandboxPool needs root (it creates namespaces, mounts and cgroups "
-                               "for each session); run the trainer as root or in a container")
+            raise SandboxUnavailable("the code sandbox needs root (it creates namespaces, mounts and cgroups "
+                                     "for each session)")
         if num_workers < 1 or timeout_s <= 0 or memory_mb < 64:
             raise ValueError(f"need num_workers >= 1, timeout_s > 0 and memory_mb >= 64; got "
                              f"{num_workers}, {timeout_s}, {memory_mb}")

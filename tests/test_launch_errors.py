@@ -277,3 +277,17 @@ def test_runner_sorts_user_errors_from_bugs(tmp_path, arg, flags, env, status, t
         assert "fix: " in proc.stderr
     else:
         assert "RuntimeError: a bug" in proc.stderr
+
+
+def test_a_launcher_without_root_says_so_and_exits_2(tmp_path):
+    """Without root the sandbox cannot start: one message line and its fix, status 2, no traceback
+    (issue 48 item 7). The uid is faked in the launcher's own process: the Python here lives under
+    /root (mode 0700), so a process dropped to another uid could not import it."""
+    code = ("import os, runpy, sys\nsys.path.insert(0, os.getcwd())\nos.geteuid = lambda: 1000\n"
+            f"sys.argv = ['launch.demo', '--workdir={tmp_path}/w', '--config=configs/demo.py:mini']\n"
+            "runpy.run_module('launch.demo', run_name='__main__')\n")
+    r = _run(["-c", code])
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith(("launch.demo:", "  fix:", "Traceback"))]
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert err == ["launch.demo: error: the code sandbox needs root (it creates namespaces, mounts and cgroups "
+                   "for each session)", "  fix: " + __import__("sandbox").SandboxUnavailable.fix], err

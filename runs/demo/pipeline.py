@@ -129,7 +129,8 @@ def evaluate_policy(c, workdir: str, policy: str, out_dir: str, pool, *, sampled
     return summary
 
 
-def _evaluate_phase(c, workdir: str, name: str, policy: str, pool, timings: dict, split: str | None = None) -> dict:
+def _evaluate_phase(c, workdir: str, name: str, policy: str, pool, timings: dict, split: str | None = None,
+                    probes: bool = True) -> dict:
     """Every evaluation of phase `name` (greedy, then sampled), timed into `timings[eval_{name}...]`;
     on `split` (default `eval.split`), written to WORKDIR/eval_{name}, or WORKDIR/val_{name} when the
     split is the validation split and `eval.split` is not."""
@@ -142,9 +143,10 @@ def _evaluate_phase(c, workdir: str, name: str, policy: str, pool, timings: dict
         lo, hi = s.get("accuracy_ci95") or (float("nan"), float("nan"))
         _log(f"    {ev_name}: accuracy {s['accuracy']:.3f} [{lo:.3f}, {hi:.3f}], tool-call rate {s['tool_rate']:.3f}")
         timings[f"{prefix}_{ev_name}"] = time.perf_counter() - t0
-    probes = evaluate_probes(c, workdir, policy, os.path.join(workdir, f"{prefix}_{name}_probes"), pool, split)
-    if probes is not None:
-        out[f"{name}_probes"] = probes
+    found = evaluate_probes(c, workdir, policy, os.path.join(workdir, f"{prefix}_{name}_probes"), pool, split) \
+        if probes else None
+    if found is not None:
+        out[f"{name}_probes"] = found
     return out
 
 
@@ -253,8 +255,10 @@ def run(c, workdir: str, stop_after: str | None = None) -> dict:
         _log(f"3/5 evaluating the SFT policy on the {'validation' if c.eval.split == 'val' else 'test'} split")
         evals.update(_evaluate_phase(c, workdir, "sft", sft_policy, pool, timings))
         if calibration_prefix(c) == "val":  # the calibration table reads the validation split only
-            _log("    and on the validation split (the calibration table)")
-            _evaluate_phase(c, workdir, "sft", sft_policy, pool, timings, split="val")
+            cv = ml_collections.ConfigDict(c.to_dict())
+            cv.eval.limit = int(c.eval.get("calibration_items", 0) or 0)  # the grid cycles its cells: balanced
+            _log(f"    and on the validation split ({cv.eval.limit or 'all'} items: the calibration table)")
+            _evaluate_phase(cv, workdir, "sft", sft_policy, pool, timings, split="val", probes=False)
     write_calibration(c, workdir)
     if stop_after == "sft_eval":
         return {"world": world, **evals}
