@@ -33,11 +33,18 @@ def test_demo_mini_writes_the_report(tmp_path):
             assert math.isfinite(ev[k]), (name, k)
     # Sampled evaluations (eval.samples = 2 draws per item) beside the greedy ones, every rate with its
     # 95% interval, in summary.json and in the report's tables.
-    assert list(summary["evals"]) == ["sft", "sft_sampled", "grpo", "grpo_sampled"]
+    # The probes (world/eval/probes.jsonl: yellow easy count, colour-and-kind hard count) go greedy beside
+    # each evaluation, apart from the test grid (issue 47).
+    assert list(summary["evals"]) == ["sft", "sft_sampled", "sft_probes", "grpo", "grpo_sampled", "grpo_probes"]
+    for name in ("sft_probes", "grpo_probes"):
+        ev = summary["evals"][name]
+        assert ev["n"] == 4 and {"probe=yellow_easy_count/accuracy", "probe=color_kind_count/accuracy"} <= set(ev)
     for name in ("sft_sampled", "grpo_sampled"):
         ev = summary["evals"][name]
         assert ev["n"] == 24 and ev["n_items"] == 12 and ev["samples_per_item"] == 2
-    for ev in summary["evals"].values():
+    for name, ev in summary["evals"].items():
+        if name.endswith("_probes"):
+            continue
         for k in ("accuracy", "tool_rate", "difficulty=hard/accuracy", "family=find,difficulty=easy/tool_rate"):
             lo, hi = ev[f"{k}_ci95"]
             assert 0 <= lo <= ev[k] <= hi <= 1, k
@@ -59,7 +66,8 @@ def test_demo_mini_writes_the_report(tmp_path):
     # world.json records the config's calibration knobs and what they produced.
     from configs import demo as demo_configs
 
-    knobs = demo_configs.get_config("mini").world
+    knobs_c = demo_configs.get_config("mini")
+    knobs = knobs_c.world
     for k in ("hard_direct_rate", "error_rate", "easy_code_rate"):
         assert world[k] == knobs[k], k
     for k in ("easy_code_families", "hard_direct_families", "bars_questions",
@@ -67,10 +75,14 @@ def test_demo_mini_writes_the_report(tmp_path):
         assert world[k] == list(knobs[k]), k
     assert set(world["easy_items_with_code_by_family"]) <= set(knobs.easy_code_families)
     assert set(world["hard_items_direct_by_family"]) <= set(knobs.hard_direct_families)
-    # The SFT policy per cell, greedy beside sampled (eval.calibration), written before GRPO.
+    # The SFT policy per cell, greedy beside sampled (eval.calibration), written before GRPO, on the
+    # validation split (eval.calibration_items of it), never the test split (issue 47).
     cal = json.loads((tmp_path / "calibration.json").read_text())
-    assert cal["cells"]["all"]["n_items"] == 12 and cal["cells"]["all"]["k"] == 2
+    assert cal["cells"]["all"]["n_items"] == knobs_c.eval.calibration_items == 6 and cal["cells"]["all"]["k"] == 2
     assert "pass@2" in (tmp_path / "calibration.md").read_text()
+    assert "validation split" in (tmp_path / "calibration.md").read_text()
+    val_ids = {json.loads(x)["prompt_id"] for x in open(tmp_path / "val_sft" / "trajectories.jsonl")}
+    assert val_ids and all(i.startswith("val-") for i in val_ids)
     rows = [json.loads(x) for x in open(tmp_path / "grpo" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["reward/total"]) for r in rows)
     sft_rows = [json.loads(x) for x in open(tmp_path / "sft" / "metrics.jsonl")]
@@ -88,7 +100,8 @@ def test_demo_mini_writes_the_report(tmp_path):
     _launch("ablate", tmp_path, "--modes=full", "--presets=release", "--seeds=5")
     results = json.loads((tmp_path / "ablation.json").read_text())
     run = "full@release/seed5"
-    assert list(results) == ["sft", "sft_sampled", run, f"{run}_sampled", f"{run}_drift", "rows", "table", "seconds"]
+    assert list(results) == ["sft", "sft_sampled", "sft_probes", run, f"{run}_sampled", f"{run}_probes", f"{run}_drift",
+                             "rows", "table", "seconds"]
     assert results["rows"][-1] == ["R_BAT (full), release preset, sampled (k=2)", [f"{run}_sampled"]]
     assert [r["step"] for r in results[f"{run}_drift"]] == [1, 2]
     assert results[run]["kl_to_sft"] == results[f"{run}_drift"][-1]["kl_k3"] >= 0
