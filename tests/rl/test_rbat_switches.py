@@ -36,8 +36,10 @@ def random_batch(rng, P, G, M):
     return acc, fmt_ok, is_tool, failed, valid, resp_len
 
 
-def paper_reward(acc, fmt_ok, is_tool, failed, G, gamma=4.0, delta=0.2):
-    """r(τ) = R_acc + R_format + R_seq, paper eq. 1/5 (SPEC §4), one trajectory at a time."""
+def paper_reward(acc, fmt_ok, is_tool, failed, G, gamma=4.0, delta=0.2, mastered="group"):
+    """r(τ) = R_acc + R_format + R_seq, paper eq. 1/5 (SPEC §4), one trajectory at a time.
+    `mastered="direct"`: d(μ) keeps its sign only in a group whose no-tool trajectories exist and are
+    all correct; elsewhere max(d, 0)."""
     B, M = is_tool.shape
     r = np.zeros(B)
     for b in range(B):
@@ -47,6 +49,9 @@ def paper_reward(acc, fmt_ok, is_tool, failed, G, gamma=4.0, delta=0.2):
             grp = range(b // G * G, b // G * G + G)
             mu_acc = sum(acc[j] > 0 for j in grp) / G
             d = 1 / (1 + math.exp(-gamma * (0.5 - mu_acc))) - delta
+            direct = [j for j in grp if not is_tool[j].any()]
+            if mastered == "direct" and not (direct and all(acc[j] > 0 for j in direct)):
+                d = max(d, 0.0)
             r[b] += (0.5 + 0.5 * (acc[b] > 0)) * d * sum(not failed[b, m] for m in tools) / len(tools)
     return r
 
@@ -228,25 +233,6 @@ def test_defaults_are_the_paper_and_validation_names_the_field():
             RBATConfig.paper(**{field: bad})
 
 
-def direct_mastery_reward(acc, fmt_ok, is_tool, failed, G, gamma=4.0, delta=0.2):
-    """`mastered="direct"`, one trajectory at a time: d(μ) keeps its sign only in a group whose
-    no-tool trajectories exist and are all correct; elsewhere max(d, 0)."""
-    B, M = is_tool.shape
-    r = np.zeros(B)
-    for b in range(B):
-        r[b] = acc[b] + (0.5 if fmt_ok[b] else 0.0)
-        tools = [m for m in range(M) if is_tool[b, m]]
-        if tools:
-            grp = range(b // G * G, b // G * G + G)
-            mu_acc = sum(acc[j] > 0 for j in grp) / G
-            d = 1 / (1 + math.exp(-gamma * (0.5 - mu_acc))) - delta
-            direct = [j for j in grp if not is_tool[j].any()]
-            if not (direct and all(acc[j] > 0 for j in direct)):
-                d = max(d, 0.0)
-            r[b] += (0.5 + 0.5 * (acc[b] > 0)) * d * sum(not failed[b, m] for m in tools) / len(tools)
-    return r
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_mastered_direct_matches_reference(seed):
     rng = np.random.default_rng(seed)
@@ -255,7 +241,7 @@ def test_mastered_direct_matches_reference(seed):
     acc[:G] = 1.0  # a mastered group, whatever its tool use
     cfg = RBATConfig.paper(mastered="direct")
     parts = rbat_rewards(acc, fmt_ok, is_tool, failed, group_size=G, cfg=cfg)
-    np.testing.assert_allclose(np.asarray(parts["total"]), direct_mastery_reward(acc, fmt_ok, is_tool, failed, G),
+    np.testing.assert_allclose(np.asarray(parts["total"]), paper_reward(acc, fmt_ok, is_tool, failed, G, mastered="direct"),
                                atol=1e-5)
 
 
